@@ -23,8 +23,17 @@ def wheel_path(version: str, cache: Path) -> Path:
     if found:
         return found[0]
     subprocess.run(
-        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(cache),
-         f"ansible=={version}"],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "-d",
+            str(cache),
+            f"ansible=={version}",
+        ],
         check=True,
     )
     return sorted(cache.glob(f"ansible-{version}-*.whl"))[0]
@@ -42,7 +51,7 @@ def extract(wheel: Path, collection: str, dest: Path) -> None:
         if not members:
             raise SystemExit(f"{collection} is not in {wheel.name}")
         for member in members:
-            out = staging / member[len(prefix):]
+            out = staging / member[len(prefix) :]
             if member.endswith("/"):
                 continue
             out.parent.mkdir(parents=True, exist_ok=True)
