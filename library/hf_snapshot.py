@@ -1,0 +1,306 @@
+#!/usr/bin/python
+# Copyright: vllm-fleet contributors
+# Apache-2.0
+"""Ansible module: a Hugging Face Hub snapshot, downloaded once and proved complete."""
+
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+---
+module: hf_snapshot
+short_description: Download a Hugging Face Hub repo at a pinned commit and prove it complete
+description:
+  - Resolves O(revision) (branch, tag or sha) to a commit sha, lists the repo tree at that sha
+    and compares it with the files in O(local_dir) and the manifest in O(state_dir).
+  - Before fetching a byte, compares the free space of O(local_dir) with the bytes still
+    to fetch plus O(space_margin_bytes) and fails with both numbers when short.
+  - Fetches only missing or damaged files with the huggingface_hub library (HEAD + GET per
+    file, O(max_workers) in parallel) into C(state_dir/partial/), resuming a partial file
+    from its bytes with an HTTP Range request, then moves each file into place atomically.
+  - Proves completeness (every listed file with its size, every shard of
+    C(model.safetensors.index.json) present), optionally hashes every file against the
+    listing (sha256 for LFS files, git blob sha1 otherwise) and writes a manifest so a rerun
+    decides "complete" from O(files) stat calls.
+  - Writes C(progress.json) in O(state_dir) once a second (files and bytes done, rate), for
+    an C(async) task to be polled. Holds an flock on C(state_dir/download.lock) while it
+    downloads: the kernel releases it if the process dies, so no lock goes stale.
+  - The token reaches the library through this process's environment (C(HF_TOKEN)), never
+    argv; O(token) is C(no_log).
+version_added: "0.1.0"
+author: vllm-fleet contributors
+requirements:
+  - huggingface_hub >= 2.4 on the interpreter that runs the module
+options:
+  mode:
+    description:
+      - V(plan) reports what a download would do and fails if space is short (read-only).
+      - V(download) makes O(local_dir) complete.
+      - V(verify) checks this host's view of O(local_dir) against the manifest, offline.
+    type: str
+    choices: [plan, download, verify]
+    default: download
+  repo_id:
+    description: Hub repo, C(org/name).
+    type: str
+    required: true
+  revision:
+    description: Branch, tag or 40-hex commit sha.
+    type: str
+    default: main
+  local_dir:
+    description: The checkpoint directory. Nothing but repo files is written into it.
+    type: path
+    required: true
+  state_dir:
+    description: Bookkeeping directory beside the checkpoint (manifest, progress, lock, partials).
+    type: path
+    required: true
+  endpoint:
+    description: Hub endpoint (C(HF_ENDPOINT)); empty for the public hub.
+    type: str
+    default: ""
+  token:
+    description: Hub token, passed to the library by environment.
+    type: str
+    default: ""
+  include:
+    description: Glob patterns of files to download (all when empty).
+    type: list
+    elements: str
+    default: []
+  exclude:
+    description: Glob patterns of files to skip.
+    type: list
+    elements: str
+    default: []
+  max_workers:
+    description: Files downloaded in parallel.
+    type: int
+    default: 8
+  verify:
+    description:
+      - V(size) checks existence and sizes (and hashes files whose stat changed since recorded).
+      - V(full) also hashes every file not yet hashed against the listing.
+    type: str
+    choices: [size, full]
+    default: size
+  hash_workers:
+    description: Files hashed in parallel.
+    type: int
+    default: 4
+  space_margin_bytes:
+    description: Free space to keep beyond the bytes still to fetch.
+    type: int
+    default: 1073741824
+  patched_files:
+    description:
+      - Files a later step edits in place on purpose (quant config patch); once recorded,
+        their content is not compared with the hub again.
+    type: list
+    elements: str
+    default: []
+  lock_timeout:
+    description: Seconds to wait for another download of the same directory.
+    type: int
+    default: 3600
+  update:
+    description:
+      - When the branch now points to another commit than the recorded one, move to it.
+        By default the recorded commit is kept, so remote code cannot change under a running fleet.
+    type: bool
+    default: false
+notes:
+  - Check mode runs V(plan). Diff mode lists the files that would be fetched.
+"""
+
+EXAMPLES = r"""
+- name: Download the checkpoint once, verifying every hash
+  hf_snapshot:
+    repo_id: nvidia/Kimi-K2.5-NVFP4
+    revision: main
+    local_dir: /shared/models/kimi
+    state_dir: /shared/models/.vllm-fleet/kimi
+    verify: full
+    token: "{{ vllm_fleet_hf_token }}"
+  async: 86400
+  poll: 0
+  register: job
+"""
+
+RETURN = r"""
+changed:
+  description: Whether any file was fetched (download) or would be (plan).
+  returned: always
+  type: bool
+sha:
+  description: The commit sha the revision resolved to, used for every file.
+  returned: always
+  type: str
+  sample: 9a5f0c1e2b3d4f5a6b7c8d9e0f1a2b3c4d5e6f7a
+complete:
+  description: Whether the checkpoint is complete (after the download, or already for plan).
+  returned: always
+  type: bool
+files_total:
+  description: Files in the (filtered) tree listing.
+  returned: always
+  type: int
+bytes_total:
+  description: Bytes in the (filtered) tree listing.
+  returned: always
+  type: int
+files_to_fetch:
+  description: Files missing or damaged before this run.
+  returned: mode is plan or download
+  type: int
+bytes_to_fetch:
+  description: Bytes of those files.
+  returned: mode is plan or download
+  type: int
+partial_bytes:
+  description: Bytes already present in partial files from an interrupted run.
+  returned: mode is plan or download
+  type: int
+free_bytes:
+  description: Free bytes on the checkpoint's filesystem before the run.
+  returned: mode is plan or download
+  type: int
+missing:
+  description: Up to 50 missing files.
+  returned: mode is plan or download
+  type: list
+  elements: str
+damaged:
+  description: Files present with a wrong size or hash (re-fetched by download).
+  returned: mode is plan or download
+  type: list
+  elements: str
+notes:
+  description: Remarks, e.g. a branch that moved while the recorded commit is kept.
+  returned: mode is plan or download
+  type: list
+  elements: str
+fetched:
+  description: Files fetched by this run.
+  returned: mode is download
+  type: list
+  elements: str
+fetched_bytes:
+  description: Bytes received by this run.
+  returned: mode is download
+  type: int
+resumed:
+  description: Files resumed from partial bytes of an interrupted run.
+  returned: mode is download
+  type: list
+  elements: str
+verified:
+  description: V(full) when every file's hash matched the listing, else V(size).
+  returned: mode is download
+  type: str
+elapsed_s:
+  description: Seconds spent.
+  returned: mode is download
+  type: float
+rate_bytes_per_s:
+  description: Average download rate of this run.
+  returned: mode is download
+  type: int
+manifest:
+  description: Path of the manifest.
+  returned: mode is download
+  type: str
+"""
+
+from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.hf_download import (
+    DownloadError,
+    Options,
+    check_space,
+    download,
+    make_plan,
+    plan_summary,
+    setup_environment,
+    verify_local,
+)
+
+
+def build_options(params: dict) -> Options:
+    return Options(
+        repo_id=params["repo_id"],
+        revision=params["revision"],
+        local_dir=params["local_dir"],
+        state_dir=params["state_dir"],
+        endpoint=params["endpoint"] or None,
+        token=params["token"] or None,
+        allow_patterns=params["include"] or None,
+        ignore_patterns=params["exclude"] or None,
+        max_workers=params["max_workers"],
+        verify=params["verify"],
+        hash_workers=params["hash_workers"],
+        space_margin_bytes=params["space_margin_bytes"],
+        patched_files=params["patched_files"],
+        lock_timeout=params["lock_timeout"],
+        update=params["update"],
+    )
+
+
+def plan_result(opts: Options, diff: bool) -> dict:
+    plan = make_plan(opts)
+    check_space(opts, plan)
+    result = plan_summary(plan)
+    result["changed"] = not plan.complete
+    if diff and not plan.complete:
+        todo = [f"{e.path} ({plan.status[e.path]})" for e in plan.to_fetch]
+        result["diff"] = {
+            "before": "".join(f"{line}\n" for line in todo),
+            "after": f"{len(plan.entries)} files complete at {plan.sha}\n",
+        }
+    return result
+
+
+def main() -> None:
+    module = AnsibleModule(
+        argument_spec={
+            "mode": {
+                "type": "str",
+                "choices": ["plan", "download", "verify"],
+                "default": "download",
+            },
+            "repo_id": {"type": "str", "required": True},
+            "revision": {"type": "str", "default": "main"},
+            "local_dir": {"type": "path", "required": True},
+            "state_dir": {"type": "path", "required": True},
+            "endpoint": {"type": "str", "default": ""},
+            "token": {"type": "str", "default": "", "no_log": True},
+            "include": {"type": "list", "elements": "str", "default": []},
+            "exclude": {"type": "list", "elements": "str", "default": []},
+            "max_workers": {"type": "int", "default": 8},
+            "verify": {"type": "str", "choices": ["size", "full"], "default": "size"},
+            "hash_workers": {"type": "int", "default": 4},
+            "space_margin_bytes": {"type": "int", "default": 1 << 30},
+            "patched_files": {"type": "list", "elements": "str", "default": []},
+            "lock_timeout": {"type": "int", "default": 3600},
+            "update": {"type": "bool", "default": False},
+        },
+        supports_check_mode=True,
+    )
+    opts = build_options(module.params)
+    setup_environment(opts)
+    mode = module.params["mode"]
+    try:
+        if mode == "verify":
+            result = verify_local(opts)
+        elif mode == "plan" or module.check_mode:
+            result = plan_result(opts, module._diff)
+        else:
+            result = download(opts)
+    except DownloadError as err:
+        module.fail_json(msg=str(err))
+    except ImportError as err:
+        module.fail_json(msg=f"huggingface_hub is missing on {module._name}'s interpreter: {err}")
+    module.exit_json(**result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""Build a hub repo shaped like nvidia/Kimi-K2.5-NVFP4 for tests/support/hub_server.py.
+
+119 ``model-000NN-of-00119.safetensors`` shards (valid safetensors headers, size chosen
+by the caller), ``model.safetensors.index.json``, ``config.json``, ``hf_quant_config.json``,
+tokenizer files and custom code (``*.py``), as in the real repo (140 files there).
+
+    python -m tests.support.synthetic_repo --root DIR [--shard-bytes N] [--shards 119]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import struct
+from pathlib import Path
+from typing import Any
+
+from tests.support.hub_server import LFS_SUFFIXES, FileMeta, git_blob_sha1, sha256_file
+
+KIMI_REPO = "nvidia/Kimi-K2.5-NVFP4"
+SHARDS = 119
+_BLOCK = 1 << 20
+
+
+def shard_name(index: int, total: int) -> str:
+    return f"model-{index:05d}-of-{total:05d}.safetensors"
+
+
+def _tensor_names(index: int) -> list[str]:
+    return [
+        f"language_model.model.layers.{index}.mlp.experts.0.down_proj.weight",
+        f"language_model.model.layers.{index}.mlp.experts.0.down_proj.weight_scale",
+    ]
+
+
+def write_shard(path: Path, index: int, data_bytes: int) -> list[str]:
+    """A valid safetensors file: u64 header length, JSON header, then raw tensor bytes."""
+    names = _tensor_names(index)
+    half = data_bytes // 2
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    header[names[0]] = {"dtype": "U8", "shape": [half], "data_offsets": [0, half]}
+    header[names[1]] = {
+        "dtype": "U8",
+        "shape": [data_bytes - half],
+        "data_offsets": [half, data_bytes],
+    }
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the format pads the header to 8 bytes
+    # Distinct per shard, cheap to make: a seeded block repeated (compression plays no role).
+    block = hashlib.shake_256(f"shard-{index}".encode()).digest(min(_BLOCK, max(data_bytes, 1)))
+    with path.open("wb") as fh:
+        fh.write(struct.pack("<Q", len(raw)))
+        fh.write(raw)
+        left = data_bytes
+        while left > 0:
+            piece = block[: min(len(block), left)]
+            fh.write(piece)
+            left -= len(piece)
+    return names
+
+
+def _configs(shards: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    try:  # the richer Kimi-shaped configs from issue 2, when present
+        from tests.support import kimi_checkpoint  # type: ignore[attr-defined]
+
+        return kimi_checkpoint.kimi_configs()  # type: ignore[no-any-return]
+    except (ImportError, AttributeError):
+        pass
+    config = {
+        "architectures": ["KimiK25ForConditionalGeneration"],
+        "model_type": "kimi_k25",
+        "auto_map": {"AutoConfig": "configuration_kimi_k25.KimiK25Config"},
+        "text_config": {"model_type": "kimi_k2", "num_hidden_layers": shards},
+        "quantization_config": {
+            "quant_method": "modelopt",
+            "kv_cache_scheme": {"num_bits": 8, "type": "float", "dynamic": False},
+        },
+    }
+    quant = {
+        "producer": {"name": "modelopt", "version": "0.37.0"},
+        "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": "FP8", "group_size": 16},
+    }
+    return config, quant
+
+
+def build_repo(
+    root: Path,
+    repo_id: str = KIMI_REPO,
+    shard_bytes: int = 4096,
+    shards: int = SHARDS,
+    tags: tuple[str, ...] = ("v1.0",),
+) -> str:
+    """Write the repo under ``root`` (hub_server layout); return its commit sha.
+
+    Also writes ``<sha>.meta.json`` (sizes, git sha1, sha256) so the server need not hash.
+    """
+    repo_dir = root / repo_id
+    staging = repo_dir / "commits" / "staging"
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    weight_map: dict[str, str] = {}
+    for index in range(1, shards + 1):
+        name = shard_name(index, shards)
+        for tensor in write_shard(staging / name, index, shard_bytes):
+            weight_map[tensor] = name
+    index_doc = {"metadata": {"total_size": shard_bytes * shards}, "weight_map": weight_map}
+    config, quant = _configs(shards)
+    texts: dict[str, Any] = {
+        "model.safetensors.index.json": index_doc,
+        "config.json": config,
+        "hf_quant_config.json": quant,
+        "generation_config.json": {"max_length": 262144},
+        "tokenizer_config.json": {"tokenizer_class": "TikTokenTokenizer", "auto_map": {}},
+        "special_tokens_map.json": {"bos_token": "[BOS]", "eos_token": "[EOS]"},
+    }
+    for name, doc in texts.items():
+        (staging / name).write_text(json.dumps(doc, indent=2) + "\n")
+    (staging / "tiktoken.model").write_bytes(hashlib.shake_256(b"bpe").digest(2048))
+    for name in (
+        "configuration_kimi_k25.py",
+        "modeling_kimi_k25.py",
+        "tokenization_kimi.py",
+        "chat_template.jinja",
+    ):
+        (staging / name).write_text(f"# synthetic {name} for {repo_id}\n")
+    (staging / "README.md").write_text(f"# {repo_id} (synthetic test copy)\n")
+    (staging / "docs").mkdir()
+    (staging / "docs" / "deploy_guidance.md").write_text("Serve with vLLM.\n")
+
+    meta = {}
+    for file in sorted(p for p in staging.rglob("*") if p.is_file()):
+        rel = file.relative_to(staging).as_posix()
+        lfs = sha256_file(file) if rel.endswith(LFS_SUFFIXES) else None
+        meta[rel] = FileMeta(size=file.stat().st_size, oid=git_blob_sha1(file), sha256=lfs)
+    sha = hashlib.sha1(
+        json.dumps({p: m.oid for p, m in meta.items()}, sort_keys=True).encode(),
+        usedforsecurity=False,
+    ).hexdigest()
+    final = repo_dir / "commits" / sha
+    if final.exists():
+        shutil.rmtree(final)
+    staging.rename(final)
+    (repo_dir / "commits" / f"{sha}.meta.json").write_text(
+        json.dumps({p: m.__dict__ for p, m in meta.items()})
+    )
+    refs_path = repo_dir / "refs.json"
+    refs = json.loads(refs_path.read_text()) if refs_path.is_file() else {}
+    refs.update({"main": sha, **dict.fromkeys(tags, sha)})
+    refs_path.write_text(json.dumps(refs, indent=2))
+    return sha
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Write a Kimi-shaped synthetic hub repo.")
+    parser.add_argument("--root", type=Path, required=True)
+    parser.add_argument("--repo-id", default=KIMI_REPO)
+    parser.add_argument("--shard-bytes", type=int, default=4096)
+    parser.add_argument("--shards", type=int, default=SHARDS)
+    args = parser.parse_args(argv)
+    print(build_repo(args.root, args.repo_id, args.shard_bytes, args.shards))
+
+
+if __name__ == "__main__":
+    main()
