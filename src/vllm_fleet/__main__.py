@@ -1,0 +1,7 @@
+"""Allow ``python -m vllm_fleet``."""
+
+import sys
+
+from vllm_fleet.cli import main
+
+sys.exit(main())

@@ -1,0 +1,681 @@
+"""Turn ansible-runner events into progress: a model, and three renderers.
+
+``FleetModel.handle`` takes one raw runner event (redacted first) and returns
+the normalized records it implies (``play_start``, ``task_start``,
+``task_result``, ``retry``, ``progress``, ``warning``, ``error``); the model
+keeps per-host state (current step and task, counts, progress bars, failure,
+node facts) for the live view and the end summary. Renderers draw those
+records: ``TtyRenderer`` (a live block per host, redrawn in place),
+``PlainRenderer`` (one line per record, for logs and pipes) and
+``JsonRenderer`` (newline-delimited JSON).
+
+Progress convention (docs/cli.md): a task result carrying
+``vllm_fleet_progress: {kind: download|load, done, total, bytes_done,
+bytes_total, rate}``, at the top level (``ansible.builtin.debug: var=...``,
+a module's return) or in ``ansible_facts`` (``set_fact``); retried and
+looped results count too. Failing that, vLLM's and huggingface_hub's own
+progress lines in ``msg``/``stdout`` are parsed. Node facts for the summary
+come the same way under ``vllm_fleet_node``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import json
+import re
+import shutil
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from vllm_fleet.redact import Redactor
+
+PROGRESS_KEY = "vllm_fleet_progress"
+NODE_KEY = "vllm_fleet_node"
+RESULT_EVENTS = {
+    "runner_on_ok": "ok",
+    "runner_on_failed": "failed",
+    "runner_on_unreachable": "unreachable",
+    "runner_on_skipped": "skipped",
+}
+PROGRESS_EVENTS = {
+    "runner_on_ok",
+    "runner_retry",
+    "runner_item_on_ok",
+    "runner_on_async_poll",
+    "runner_on_async_ok",
+}
+# Bookkeeping tasks whose "ok" says nothing to a person watching a deploy.
+QUIET_ACTIONS = {"ansible.builtin.validate_argument_spec", "validate_argument_spec"}
+# vLLM's weight loader (tqdm, as the journal shows it with -o cat).
+LOAD_LINE = re.compile(
+    r"Loading (?:safetensors |pt |)checkpoint shards:\s*(\d+)% Completed \|\s*(\d+)/(\d+)"
+)
+# huggingface_hub's snapshot_download bar.
+FETCH_LINE = re.compile(r"Fetching (\d+) files:\s*(\d+)%\|[^|]*\|\s*(\d+)/(\d+)")
+# The service role's failure message: one "Diagnosis: <name>. <advice>" line per match.
+DIAGNOSIS = re.compile(r"diagnosis:[ \t]*(.+)", re.IGNORECASE)
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+@dataclass
+class Progress:
+    """One progress bar of one host: files or shards, and bytes when known."""
+
+    kind: str
+    done: float | None = None
+    total: float | None = None
+    bytes_done: float | None = None
+    bytes_total: float | None = None
+    rate: float | None = None
+
+    @property
+    def fraction(self) -> float | None:
+        if self.bytes_total:
+            return min(1.0, (self.bytes_done or 0) / self.bytes_total)
+        if self.total:
+            return min(1.0, (self.done or 0) / self.total)
+        return None
+
+    def as_dict(self) -> dict[str, Any]:
+        record = {
+            "kind": self.kind,
+            "done": self.done,
+            "total": self.total,
+            "bytes_done": self.bytes_done,
+            "bytes_total": self.bytes_total,
+            "rate": self.rate,
+        }
+        fraction = self.fraction
+        record["percent"] = None if fraction is None else round(fraction * 100, 1)
+        return record
+
+
+@dataclass
+class Failure:
+    """Where and why a host failed."""
+
+    host: str
+    task: str
+    play: str | None
+    role: str | None
+    msg: str
+    diagnosis: str | None
+    unreachable: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "host": self.host,
+            "play": self.play,
+            "task": self.task,
+            "role": self.role,
+            "msg": self.msg,
+            "diagnosis": self.diagnosis,
+            "unreachable": self.unreachable,
+        }
+
+
+@dataclass
+class HostState:
+    """Everything the live view and the summary know about one host."""
+
+    name: str
+    play: str | None = None
+    task: str | None = None
+    started: float | None = None
+    ended: float | None = None
+    counts: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(
+            ("ok", "changed", "failed", "skipped", "unreachable", "rescued", "ignored"), 0
+        )
+    )
+    progress: dict[str, Progress] = field(default_factory=dict)
+    attempt: tuple[int, int] | None = None
+    failure: Failure | None = None
+    node: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def duration(self) -> float | None:
+        if self.started is None:
+            return None
+        return (self.ended or time.monotonic()) - self.started
+
+
+class FleetModel:
+    """Per-host state built from runner events; returns normalized records."""
+
+    def __init__(self, redactor: Redactor | None = None, clock: Any = time.monotonic) -> None:
+        self.redactor = redactor or Redactor()
+        self.clock = clock
+        self.hosts: dict[str, HostState] = {}
+        self.play: str | None = None
+        self.task: str | None = None
+        self.role: str | None = None
+        self.stats: dict[str, dict[str, int]] | None = None
+        self.errors: list[str] = []
+        self.started = clock()
+
+    def host(self, name: str) -> HostState:
+        if name not in self.hosts:
+            self.hosts[name] = HostState(name=name)
+        return self.hosts[name]
+
+    def handle(self, raw: dict[str, Any]) -> list[dict[str, Any]]:
+        """Fold one runner event into the model; the records it implies."""
+        event = self.redactor.data(raw)
+        kind = event.get("event", "")
+        data = event.get("event_data") or {}
+        if kind == "playbook_on_play_start":
+            self.play = data.get("play") or data.get("name")
+            return [{"type": "play_start", "play": self.play}]
+        if kind == "playbook_on_task_start":
+            self.task = data.get("task") or data.get("name")
+            self.role = data.get("role")
+            return [{"type": "task_start", "play": self.play, "task": self.task, "role": self.role}]
+        if kind == "runner_on_start":
+            state = self.host(data.get("host", "?"))
+            if state.play != data.get("play"):
+                state.progress.clear()
+            else:
+                # A finished bar has said its piece; a running one stays while
+                # its role polls from the next task.
+                state.progress = {
+                    name: bar for name, bar in state.progress.items() if (bar.fraction or 0) < 1
+                }
+            state.play, state.task, state.attempt = data.get("play"), data.get("task"), None
+            if state.started is None:
+                state.started = self.clock()
+            return []
+        records = self._progress(kind, data)
+        if kind == "runner_retry":
+            records.append(self._retry(data))
+        elif kind in RESULT_EVENTS:
+            records.append(self._result(kind, data))
+        elif kind == "playbook_on_stats":
+            self._stats(data)
+        elif kind in ("warning", "deprecated"):
+            text = _clean(data.get("warning") or event.get("stdout") or "")
+            if text:
+                records.append({"type": "warning", "text": text})
+        elif kind in ("verbose", "error") and event.get("stdout"):
+            text = _clean(event["stdout"])
+            if text.strip():
+                self.errors.append(text)
+                records.append({"type": "output", "text": text})
+        return records
+
+    def _retry(self, data: dict[str, Any]) -> dict[str, Any]:
+        state = self.host(data.get("host", "?"))
+        res = data.get("res") or {}
+        attempt = int(res.get("attempts") or 0)
+        retries = int(res.get("retries") or 0)
+        state.attempt = (attempt, retries)
+        return {
+            "type": "retry",
+            "host": state.name,
+            "task": data.get("task"),
+            "attempt": attempt,
+            "retries": retries,
+        }
+
+    def _result(self, kind: str, data: dict[str, Any]) -> dict[str, Any]:
+        state = self.host(data.get("host", "?"))
+        res = data.get("res") or {}
+        status = RESULT_EVENTS[kind]
+        if status == "ok" and res.get("changed"):
+            status = "changed"
+        if status == "failed" and data.get("ignore_errors"):
+            status = "ignored"
+        state.ended = self.clock()
+        state.attempt = None
+        node = _find_key(res, NODE_KEY)
+        if isinstance(node, dict):
+            state.node.update(node)
+        record: dict[str, Any] = {
+            "type": "task_result",
+            "host": state.name,
+            "play": data.get("play"),
+            "task": data.get("task"),
+            "role": data.get("role"),
+            "action": data.get("resolved_action") or data.get("task_action"),
+            "status": status,
+            "duration": data.get("duration"),
+        }
+        if status in ("failed", "unreachable"):
+            failure = _failure(state.name, data, res, unreachable=status == "unreachable")
+            state.failure = failure
+            record["msg"] = failure.msg
+            record["diagnosis"] = failure.diagnosis
+        if status in state.counts:
+            state.counts[status] += 1
+        if status == "changed":
+            state.counts["ok"] += 1
+        return record
+
+    def _progress(self, kind: str, data: dict[str, Any]) -> list[dict[str, Any]]:
+        if kind not in PROGRESS_EVENTS:
+            return []
+        found = extract_progress(data.get("res") or {})
+        if not found:
+            return []
+        state = self.host(data.get("host", "?"))
+        records = []
+        for progress in found:
+            state.progress[progress.kind] = progress
+            records.append(
+                {"type": "progress", "host": state.name, "task": data.get("task")}
+                | progress.as_dict()
+            )
+        return records
+
+    def _stats(self, data: dict[str, Any]) -> None:
+        names = ("ok", "changed", "failures", "dark", "skipped", "rescued", "ignored")
+        self.stats = {name: dict(data.get(name) or {}) for name in names}
+        for name in set().union(*self.stats.values()) if self.stats else ():
+            state = self.host(name)
+            state.counts["ok"] = self.stats["ok"].get(name, 0)
+            state.counts["changed"] = self.stats["changed"].get(name, 0)
+            state.counts["failed"] = self.stats["failures"].get(name, 0)
+            state.counts["unreachable"] = self.stats["dark"].get(name, 0)
+            state.counts["skipped"] = self.stats["skipped"].get(name, 0)
+            state.counts["rescued"] = self.stats["rescued"].get(name, 0)
+            state.counts["ignored"] = self.stats["ignored"].get(name, 0)
+
+    def host_ok(self, state: HostState) -> bool:
+        """Failed or unreachable per the final stats (a rescued failure is fine)."""
+        if self.stats is not None:
+            return not (
+                self.stats["failures"].get(state.name) or self.stats["dark"].get(state.name)
+            )
+        return state.failure is None
+
+    def failures(self) -> list[Failure]:
+        """The last failure of each host that ended failed."""
+        return [
+            state.failure
+            for state in self.hosts.values()
+            if state.failure is not None and not self.host_ok(state)
+        ]
+
+
+def _find_key(res: dict[str, Any], key: str) -> Any:
+    if key in res:
+        return res[key]
+    facts = res.get("ansible_facts")
+    if isinstance(facts, dict) and key in facts:
+        return facts[key]
+    return None
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or value is None:
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def extract_progress(res: dict[str, Any]) -> list[Progress]:
+    """Progress from one task result: the convention, the download's progress.json, log lines."""
+    declared = _find_key(res, PROGRESS_KEY)
+    entries = declared if isinstance(declared, list) else [declared]
+    found = [_declared(entry) for entry in entries if isinstance(entry, dict)]
+    found = [progress for progress in found if progress is not None]
+    if found:
+        return found
+    snapshot = _download_snapshot(res)
+    if snapshot is not None:
+        return [snapshot]
+    text = _result_text(res)
+    parsed = []
+    loads = LOAD_LINE.findall(text)
+    if loads:
+        _, done, total = loads[-1]
+        parsed.append(Progress(kind="load", done=float(done), total=float(total)))
+    fetches = FETCH_LINE.findall(text)
+    if fetches:
+        _, _, done, total = fetches[-1]
+        parsed.append(Progress(kind="download", done=float(done), total=float(total)))
+    return parsed
+
+
+def _download_snapshot(res: dict[str, Any]) -> Progress | None:
+    """model_download's progress.json (files/bytes done, rate), however the role read it.
+
+    The result itself, ``json`` (uri), ``content`` (slurp, base64) or
+    ``stdout`` (command: cat) may hold it.
+    """
+    candidates: list[Any] = [res, res.get("json")]
+    content = res.get("content")
+    if isinstance(content, str) and res.get("encoding") == "base64":
+        with contextlib.suppress(ValueError, binascii.Error):
+            candidates.append(json.loads(base64.b64decode(content)))
+    stdout = res.get("stdout")
+    if isinstance(stdout, str) and stdout.lstrip().startswith("{"):
+        with contextlib.suppress(ValueError):
+            candidates.append(json.loads(stdout))
+    for candidate in candidates:
+        if (
+            isinstance(candidate, dict)
+            and "files_total" in candidate
+            and "bytes_total" in candidate
+        ):
+            return Progress(
+                kind="download",
+                done=_number(candidate.get("files_done")),
+                total=_number(candidate.get("files_total")),
+                bytes_done=_number(candidate.get("bytes_done")),
+                bytes_total=_number(candidate.get("bytes_total")),
+                rate=_number(candidate.get("rate_bytes_per_s", candidate.get("rate"))),
+            )
+    return None
+
+
+def _declared(entry: dict[str, Any]) -> Progress | None:
+    kind = str(entry.get("kind") or "")
+    if not kind:
+        return None
+    return Progress(
+        kind=kind,
+        done=_number(entry.get("done")),
+        total=_number(entry.get("total")),
+        bytes_done=_number(entry.get("bytes_done")),
+        bytes_total=_number(entry.get("bytes_total")),
+        rate=_number(entry.get("rate")),
+    )
+
+
+def _result_text(res: dict[str, Any]) -> str:
+    parts: list[str] = []
+    for key in ("msg", "stdout", "stderr", "stdout_lines", "stderr_lines", "milestone"):
+        value = res.get(key)
+        if isinstance(value, str):
+            parts.append(value)
+        elif isinstance(value, list):
+            parts.extend(str(line) for line in value)
+    # tqdm redraws with carriage returns; each redraw is a line of its own.
+    return "\n".join(parts).replace("\r", "\n")
+
+
+def _failure(host: str, data: dict[str, Any], res: dict[str, Any], unreachable: bool) -> Failure:
+    msg = res.get("msg")
+    if not isinstance(msg, str) or not msg:
+        msg = json.dumps(msg) if msg else ""
+    if res.get("results") and not msg.strip():
+        failed = [item for item in res["results"] if item.get("failed")]
+        if failed:
+            msg = str(failed[-1].get("msg", ""))
+    stderr = res.get("stderr")
+    if isinstance(stderr, str) and stderr.strip() and "non-zero return code" in msg:
+        msg = f"{msg}: {stderr.strip().splitlines()[-1]}"
+    diagnosis = res.get("diagnosis")
+    if not isinstance(diagnosis, str) or not diagnosis:
+        found = [line.strip() for line in DIAGNOSIS.findall(msg)]
+        diagnosis = "; ".join(found) if found else None
+    return Failure(
+        host=host,
+        task=str(data.get("task") or ""),
+        play=data.get("play"),
+        role=data.get("role"),
+        msg=_clean(msg),
+        diagnosis=diagnosis,
+        unreachable=unreachable,
+    )
+
+
+def _clean(text: str) -> str:
+    return ANSI.sub("", text).replace("\r\n", "\n").strip("\n")
+
+
+# ---------------------------------------------------------------- formatting
+
+
+def human_bytes(value: float | None) -> str:
+    if value is None:
+        return "?"
+    size = float(value)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(size) < 1000 or unit == "TB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    return f"{size:.1f} TB"
+
+
+def human_duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = round(seconds)
+    minutes, secs = divmod(seconds, 60)
+    hours, minutes = divmod(minutes, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m{secs:02d}s"
+    if minutes:
+        return f"{minutes}m{secs:02d}s"
+    return f"{secs}s"
+
+
+def bar(fraction: float | None, width: int = 24) -> str:
+    if fraction is None:
+        return "[" + "?" * width + "]"
+    filled = round(fraction * width)
+    return "[" + "#" * filled + "." * (width - filled) + "]"
+
+
+def _count(value: float | None) -> str:
+    return "?" if value is None else f"{value:.0f}"
+
+
+def describe_progress(progress: Progress, width: int = 24) -> str:
+    """'download [####....] 42.0%  3/8 files  1.2 GB/2.9 GB  210.0 MB/s'."""
+    unit = "shards" if progress.kind == "load" else "files"
+    fraction = progress.fraction
+    percent = "?%" if fraction is None else f"{fraction * 100:.1f}%"
+    parts = [f"{progress.kind:<8} {bar(fraction, width)} {percent:>6}"]
+    if progress.total is not None or progress.done is not None:
+        parts.append(f"{_count(progress.done)}/{_count(progress.total)} {unit}")
+    if progress.bytes_total is not None or progress.bytes_done is not None:
+        parts.append(f"{human_bytes(progress.bytes_done)}/{human_bytes(progress.bytes_total)}")
+    if progress.rate:
+        if progress.kind == "load":
+            parts.append(f"{progress.rate:.2f} shards/s")
+        else:
+            parts.append(f"{human_bytes(progress.rate)}/s")
+    return "  ".join(parts)
+
+
+def describe_result(record: dict[str, Any]) -> str:
+    status = record["status"]
+    line = f"{status:<11} {record['host']}: {record.get('task') or ''}"
+    if record.get("duration") is not None and float(record["duration"]) >= 1:
+        line += f" ({human_duration(float(record['duration']))})"
+    if status in ("failed", "unreachable", "ignored") and record.get("msg"):
+        line += "\n    " + _first_lines(record["msg"], 6).replace("\n", "\n    ")
+    if record.get("diagnosis"):
+        line += f"\n    diagnosis: {record['diagnosis']}"
+    return line
+
+
+def _first_lines(text: str, count: int) -> str:
+    lines = text.splitlines()
+    if len(lines) <= count:
+        return text
+    return "\n".join([*lines[:count], f"... ({len(lines) - count} more lines)"])
+
+
+# ---------------------------------------------------------------- renderers
+
+
+class Renderer:
+    """Base: receives normalized records and the model, draws them."""
+
+    def __init__(self, model: FleetModel, stream: TextIO | None = None) -> None:
+        self.model = model
+        self.stream = stream or sys.stdout
+
+    def start(self, header: dict[str, Any]) -> None:
+        """Called once before the run."""
+
+    def record(self, record: dict[str, Any]) -> None:
+        """Called for each normalized record."""
+
+    def close(self) -> None:
+        """Called once after the run (before the summary)."""
+
+    def emit(self, text: str) -> None:
+        self.stream.write(text + "\n")
+        self.stream.flush()
+
+
+class JsonRenderer(Renderer):
+    """Newline-delimited JSON: one object per record, each with a ``type``."""
+
+    def start(self, header: dict[str, Any]) -> None:
+        self.emit(json.dumps({"type": "run_start", **header}))
+
+    def record(self, record: dict[str, Any]) -> None:
+        self.emit(json.dumps({**record, "time": round(time.time(), 3)}))
+
+
+class PlainRenderer(Renderer):
+    """Line-oriented text for logs and pipes: no cursor movement, no colour."""
+
+    # Progress lines are throttled: a new line per host and kind when the
+    # percentage moved by this much (or the bar finished).
+    STEP = 10.0
+
+    def __init__(
+        self, model: FleetModel, stream: TextIO | None = None, verbose: bool = False
+    ) -> None:
+        super().__init__(model, stream)
+        self.verbose = verbose
+        self._last: dict[tuple[str, str], float] = {}
+
+    def start(self, header: dict[str, Any]) -> None:
+        self.emit(header_line(header))
+
+    def record(self, record: dict[str, Any]) -> None:
+        text = self.format(record)
+        if text is not None:
+            self.emit(text)
+
+    def format(self, record: dict[str, Any]) -> str | None:
+        kind = record["type"]
+        if kind == "play_start":
+            return f"== {record['play']}"
+        if kind == "task_start" and self.verbose:
+            return f"-- {record['task']}"
+        if kind == "task_result":
+            quiet = record["status"] == "skipped" or (
+                record["status"] == "ok" and record.get("action") in QUIET_ACTIONS
+            )
+            return None if quiet and not self.verbose else describe_result(record)
+        if kind == "progress":
+            return self._progress(record)
+        if kind == "retry":
+            attempt = f"attempt {record['attempt']}/{record['retries']}"
+            return f"waiting     {record['host']}: {record['task']} ({attempt})"
+        if kind == "warning":
+            return f"warning: {record['text']}"
+        if kind == "output" and self.verbose:
+            return record["text"]
+        return None
+
+    def _progress(self, record: dict[str, Any]) -> str | None:
+        key = (record["host"], record["kind"])
+        percent = record.get("percent")
+        last = self._last.get(key)
+        if percent is not None and last is not None:
+            if percent < 100 and percent - last < self.STEP and percent >= last:
+                return None
+            if percent == last:
+                return None
+        self._last[key] = percent if percent is not None else 0.0
+        progress = self.model.hosts[record["host"]].progress[record["kind"]]
+        return f"progress    {record['host']}: {describe_progress(progress, 20)}"
+
+
+class TtyRenderer(PlainRenderer):
+    """Finished tasks scroll above; a live block (one line per host) is redrawn below it."""
+
+    def __init__(
+        self, model: FleetModel, stream: TextIO | None = None, verbose: bool = False
+    ) -> None:
+        super().__init__(model, stream, verbose)
+        self._drawn = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._ticker: threading.Thread | None = None
+
+    def start(self, header: dict[str, Any]) -> None:
+        super().start(header)
+        self._ticker = threading.Thread(target=self._tick, daemon=True)
+        self._ticker.start()
+
+    def record(self, record: dict[str, Any]) -> None:
+        text = None if record["type"] == "progress" else self.format(record)
+        with self._lock:
+            self._erase()
+            if text is not None:
+                self.stream.write(text + "\n")
+            self._draw()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._ticker is not None:
+            self._ticker.join(timeout=2)
+        with self._lock:
+            self._erase()
+
+    def _tick(self) -> None:
+        # Elapsed times keep moving during a long silent task (a 15-minute load).
+        while not self._stop.wait(1.0):
+            with self._lock:
+                self._erase()
+                self._draw()
+
+    def _erase(self) -> None:
+        if self._drawn:
+            self.stream.write(f"\x1b[{self._drawn}F\x1b[J")
+            self._drawn = 0
+
+    def _draw(self) -> None:
+        lines = self.live_lines(shutil.get_terminal_size((120, 40)).columns)
+        for line in lines:
+            self.stream.write(line + "\n")
+        self._drawn = len(lines)
+        self.stream.flush()
+
+    def live_lines(self, columns: int) -> list[str]:
+        lines = []
+        width = max((len(name) for name in self.model.hosts), default=4)
+        for state in self.model.hosts.values():
+            if state.ended is not None and state.task is None:
+                continue
+            head = f"  {state.name:<{width}}  {human_duration(state.duration):>7}  "
+            task = state.task or ""
+            if state.attempt:
+                task += f"  (waiting, attempt {state.attempt[0]}/{state.attempt[1]})"
+            lines.append((head + task)[: columns - 1])
+            for progress in state.progress.values():
+                line = " " * (width + 13) + describe_progress(progress)
+                lines.append(line[: columns - 1])
+        return lines
+
+
+def header_line(header: dict[str, Any]) -> str:
+    parts = [f"vllm-fleet {header['command']}: {header['playbook']}"]
+    parts.append(f"inventory {header['inventory']}")
+    if header.get("limit"):
+        parts.append(f"limit {header['limit']}")
+    if header.get("tags"):
+        parts.append(f"tags {header['tags']}")
+    if header.get("check"):
+        parts.append("check mode")
+    hosts = header.get("hosts") or []
+    parts.append(f"{len(hosts)} host(s): {', '.join(hosts)}")
+    return " | ".join(parts)

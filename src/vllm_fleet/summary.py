@@ -1,0 +1,151 @@
+"""End-of-run summary and the status table, as text and as JSON objects."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_fleet.progress import FleetModel, HostState, human_duration
+
+# Node facts reported by playbooks/status.yml (and by roles, under
+# vllm_fleet_node), in table order.
+NODE_FIELDS = ("unit", "health", "served_model", "release", "vllm_version", "endpoint")
+HEADINGS = {
+    "host": "HOST",
+    "result": "RESULT",
+    "changed": "CHANGED",
+    "unit": "UNIT",
+    "health": "HEALTH",
+    "served_model": "MODEL",
+    "release": "RELEASE",
+    "vllm_version": "VLLM",
+    "endpoint": "ENDPOINT",
+    "duration": "DURATION",
+}
+
+
+def host_result(model: FleetModel, state: HostState) -> str:
+    if state.counts.get("unreachable"):
+        return "unreachable"
+    return "ok" if model.host_ok(state) else "failed"
+
+
+def host_summary(model: FleetModel, state: HostState) -> dict[str, Any]:
+    record: dict[str, Any] = {
+        "result": host_result(model, state),
+        "counts": dict(state.counts),
+        "duration": None if state.duration is None else round(state.duration, 1),
+    }
+    for name in NODE_FIELDS:
+        record[name] = state.node.get(name)
+    return record
+
+
+def summary_object(
+    model: FleetModel, header: dict[str, Any], exit_code: int, status: str, rc: int
+) -> dict[str, Any]:
+    """The final ``--json`` record: one object a tool can rely on."""
+    return {
+        "type": "summary",
+        "command": header["command"],
+        "playbook": header["playbook"],
+        "ok": exit_code == 0,
+        "exit_code": exit_code,
+        "runner_status": status,
+        "ansible_rc": rc,
+        "duration": round(model.clock() - model.started, 1),
+        "hosts": {name: host_summary(model, state) for name, state in model.hosts.items()},
+        "failures": [failure.as_dict() for failure in model.failures()],
+        "errors": model.errors[-20:] if exit_code not in (0, 1) else [],
+    }
+
+
+def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    """A plain aligned text table; missing values show as '-'."""
+    cells = [[HEADINGS.get(column, column.upper()) for column in columns]]
+    for row in rows:
+        cells.append([_cell(row.get(column)) for column in columns])
+    widths = [max(len(line[index]) for line in cells) for index in range(len(columns))]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
+        for line in cells
+    )
+
+
+def _cell(value: Any) -> str:
+    if value is None or value == "":
+        return "-"
+    if isinstance(value, list):
+        return ",".join(str(item) for item in value) or "-"
+    return str(value)
+
+
+def summary_text(summary: dict[str, Any], with_node: bool) -> str:
+    """The human end summary: a row per host, then each failure with its diagnosis."""
+    rows = []
+    for name, host in summary["hosts"].items():
+        rows.append(
+            {
+                "host": name,
+                "result": host["result"],
+                "changed": host["counts"].get("changed", 0),
+                "duration": human_duration(host["duration"]),
+            }
+            | {field: host.get(field) for field in NODE_FIELDS}
+        )
+    columns = ["host", "result", "changed"]
+    if with_node:
+        columns += ["release", "vllm_version", "endpoint", "health"]
+    columns.append("duration")
+    lines = ["", table(rows, columns)] if rows else [""]
+    for failure in summary["failures"]:
+        where = failure["task"] + (f" (role {failure['role']})" if failure.get("role") else "")
+        kind = "UNREACHABLE" if failure.get("unreachable") else "FAILED"
+        lines.append(f"\n{kind} {failure['host']}: {where}")
+        if failure.get("msg"):
+            lines.extend("  " + line for line in _head(failure["msg"], 30))
+        if failure.get("diagnosis"):
+            lines.append(f"  diagnosis: {failure['diagnosis']}")
+    if summary["errors"]:
+        lines.append("\nansible-playbook could not run the play:")
+        for text in summary["errors"][-12:]:
+            lines.extend("  " + line for line in text.splitlines())
+    verdict = "succeeded" if summary["ok"] else f"failed (exit {summary['exit_code']})"
+    lines.append(f"\n{summary['command']} {verdict} in {human_duration(summary['duration'])}")
+    return "\n".join(lines)
+
+
+def _head(text: str, count: int) -> list[str]:
+    lines = text.splitlines()
+    if len(lines) > count:
+        return [*lines[:count], f"... ({len(lines) - count} more lines)"]
+    return lines
+
+
+def status_object(model: FleetModel, exit_code: int) -> dict[str, Any]:
+    """The ``status --json`` final record."""
+    hosts = {}
+    for name, state in model.hosts.items():
+        node = {field: state.node.get(field) for field in NODE_FIELDS}
+        node["reachable"] = not state.counts.get("unreachable")
+        hosts[name] = node
+    return {
+        "type": "status",
+        "ok": exit_code == 0,
+        "exit_code": exit_code,
+        "hosts": hosts,
+        "failures": [failure.as_dict() for failure in model.failures()],
+        "errors": model.errors[-20:] if exit_code not in (0, 1) else [],
+    }
+
+
+def status_text(status: dict[str, Any]) -> str:
+    rows = [{"host": name} | node for name, node in status["hosts"].items()]
+    for row in rows:
+        if not row.get("reachable", True):
+            row["unit"] = "unreachable"
+    text = table(rows, ["host", *NODE_FIELDS])
+    for failure in status["failures"]:
+        text += f"\n{failure['host']}: {failure['task']}: {failure['msg']}"
+    if status["errors"]:
+        text += "\n" + "\n".join(status["errors"][-12:])
+    return text

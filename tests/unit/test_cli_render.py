@@ -1,0 +1,410 @@
+"""The event model and its renderers, fed runner-shaped event dicts."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+
+import pytest
+
+from tests.unit import cli_events as ev
+from vllm_fleet.progress import (
+    FleetModel,
+    JsonRenderer,
+    PlainRenderer,
+    TtyRenderer,
+    describe_progress,
+    extract_progress,
+    human_bytes,
+)
+from vllm_fleet.summary import status_object, status_text, summary_object, summary_text
+
+HEADER = {
+    "command": "deploy",
+    "playbook": "deploy.yml",
+    "inventory": "inventory/demo",
+    "limit": None,
+    "tags": None,
+    "check": False,
+    "hosts": ["node1", "node2"],
+}
+
+SERVICE_DIAGNOSIS_MSG = (
+    "vllm-tiny-kimi on node2 is not serving.\n"
+    "What failed: vllm-tiny-kimi on node2 did not become healthy: unit failed.\n"
+    "Unit: ActiveState=failed SubState=failed\n"
+    "Diagnosis: fp8-kv-cache-on-mla. Patch the checkpoint: --tags patch-config.\n"
+    "Journal lines:\n"
+    "  NotImplementedError: fp8 KV cache for CPU MLA is not yet implemented\n"
+)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def feed(model: FleetModel, events: list[dict]) -> list[dict]:
+    records: list[dict] = []
+    for event in events:
+        records.extend(model.handle(event))
+    return records
+
+
+def deploy_events() -> list[dict]:
+    """Two nodes: node1 loads and serves, node2 fails with the service role's diagnosis."""
+    load = "Loading safetensors checkpoint shards:  50% Completed | 2/4 [00:02<00:02, 1.01s/it]"
+    return [
+        ev.play("Download the checkpoint"),
+        ev.task("Wait for the download", "Download the checkpoint", role="model_download"),
+        ev.start("node1", "Wait for the download", "Download the checkpoint"),
+        ev.retry(
+            "node1",
+            "Wait for the download",
+            {
+                "vllm_fleet_progress": {
+                    "kind": "download",
+                    "done": 3,
+                    "total": 8,
+                    "bytes_done": 1_200_000_000,
+                    "bytes_total": 2_400_000_000,
+                    "rate": 200_000_000,
+                },
+                "attempts": 2,
+                "retries": 100,
+            },
+        ),
+        ev.result(
+            "runner_on_ok",
+            "node1",
+            "Wait for the download",
+            {"changed": True},
+            play_name="Download the checkpoint",
+        ),
+        ev.play(),
+        ev.task("Show the load's progress", role="vllm_service"),
+        ev.start("node1", "Show the load's progress"),
+        ev.ok("node1", "Show the load's progress", {"msg": f"loading after 12 s: {load}"}),
+        ev.task("Fail with the diagnosis", role="vllm_service"),
+        ev.start("node2", "Fail with the diagnosis"),
+        ev.failed("node2", "Fail with the diagnosis", {"msg": SERVICE_DIAGNOSIS_MSG}),
+        ev.stats(
+            ok={"node1": 5, "node2": 3},
+            changed={"node1": 1},
+            failures={"node2": 1},
+        ),
+    ]
+
+
+def test_model_normalizes_results_progress_and_failures() -> None:
+    model = FleetModel()
+    records = feed(model, deploy_events())
+    types = [record["type"] for record in records]
+    assert types.count("play_start") == 2
+    assert "retry" in types
+
+    download = [r for r in records if r["type"] == "progress" and r["kind"] == "download"]
+    assert download[0]["done"] == 3 and download[0]["bytes_total"] == 2_400_000_000
+    assert download[0]["percent"] == 50.0
+
+    load = [r for r in records if r["type"] == "progress" and r["kind"] == "load"]
+    assert (load[0]["done"], load[0]["total"]) == (2, 4)
+
+    results = [r for r in records if r["type"] == "task_result"]
+    assert [r["status"] for r in results] == ["changed", "ok", "failed"]
+    failure = results[-1]
+    assert failure["host"] == "node2"
+    assert failure["diagnosis"] == "fp8-kv-cache-on-mla. Patch the checkpoint: --tags patch-config."
+
+    assert [f.host for f in model.failures()] == ["node2"]
+    assert model.hosts["node1"].counts["changed"] == 1
+    assert model.hosts["node2"].counts["failed"] == 1
+
+
+def test_rescued_failure_is_not_a_host_failure() -> None:
+    model = FleetModel()
+    feed(
+        model,
+        [
+            ev.play(),
+            ev.failed("node1", "Wait for /health", {"msg": "timeout"}),
+            ev.ok("node1", "Restore the previous release", {"changed": True}),
+            ev.stats(ok={"node1": 4}, changed={"node1": 1}, rescued={"node1": 1}),
+        ],
+    )
+    assert model.failures() == []
+    assert model.host_ok(model.hosts["node1"])
+
+
+def test_ignored_and_unreachable_statuses() -> None:
+    model = FleetModel()
+    records = feed(
+        model,
+        [
+            ev.failed("node1", "Probe", {"msg": "nope"}, ignore_errors=True),
+            ev.result("runner_on_unreachable", "node2", "Gather", {"msg": "ssh: timed out"}),
+            ev.result("runner_on_skipped", "node1", "Optional", {"changed": False}),
+            ev.stats(ok={"node1": 1}, dark={"node2": 1}, ignored={"node1": 1}),
+        ],
+    )
+    assert [r["status"] for r in records] == ["ignored", "unreachable", "skipped"]
+    failures = model.failures()
+    assert [(f.host, f.unreachable) for f in failures] == [("node2", True)]
+
+
+@pytest.mark.parametrize(
+    ("res", "expected"),
+    [
+        # The convention through ansible.builtin.debug var=vllm_fleet_progress.
+        ({"vllm_fleet_progress": {"kind": "load", "done": 1, "total": 4}}, ("load", 1, 4)),
+        # ... and through set_fact.
+        (
+            {"ansible_facts": {"vllm_fleet_progress": {"kind": "download", "done": 2, "total": 5}}},
+            ("download", 2, 5),
+        ),
+        # model_download's progress.json read back with slurp.
+        (
+            {
+                "encoding": "base64",
+                "content": base64.b64encode(
+                    json.dumps(
+                        {
+                            "files_done": 7,
+                            "files_total": 119,
+                            "bytes_done": 10,
+                            "bytes_total": 100,
+                            "rate_bytes_per_s": 5,
+                        }
+                    ).encode()
+                ).decode(),
+            },
+            ("download", 7, 119),
+        ),
+        # ... or with command: cat.
+        (
+            {"stdout": json.dumps({"files_done": 1, "files_total": 2, "bytes_total": 9})},
+            ("download", 1, 2),
+        ),
+        # vLLM's own tqdm line, with carriage-return redraws, in a probe's milestone.
+        (
+            {
+                "milestone": "Loading safetensors checkpoint shards:   0% Completed | 0/119"
+                "\rLoading safetensors checkpoint shards:  13% Completed | 16/119 [02:24<15:27]"
+            },
+            ("load", 16, 119),
+        ),
+        # huggingface_hub's snapshot bar.
+        (
+            {"stdout_lines": ["Fetching 26 files:  15%|#5   | 4/26 [00:03<00:20]"]},
+            ("download", 4, 26),
+        ),
+    ],
+)
+def test_extract_progress_sources(res: dict, expected: tuple) -> None:
+    found = extract_progress(res)
+    assert [(p.kind, p.done, p.total) for p in found] == [expected]
+
+
+def test_extract_progress_ignores_unrelated_results() -> None:
+    assert extract_progress({"msg": "All assertions passed", "changed": False}) == []
+    assert extract_progress({"stdout": "{not json"}) == []
+
+
+def test_describe_progress_shows_files_bytes_and_rate() -> None:
+    model = FleetModel()
+    feed(model, deploy_events()[:4])
+    line = describe_progress(model.hosts["node1"].progress["download"], width=10)
+    assert line == "download [#####.....]  50.0%  3/8 files  1.2 GB/2.4 GB  200.0 MB/s"
+    assert human_bytes(999) == "999 B"
+    assert human_bytes(540e9) == "540.0 GB"
+
+
+def test_finished_bar_is_dropped_when_the_next_task_starts() -> None:
+    model = FleetModel()
+    feed(
+        model,
+        [
+            ev.play(),
+            ev.start("node1", "Load"),
+            ev.ok(
+                "node1", "Load", {"vllm_fleet_progress": {"kind": "load", "done": 4, "total": 4}}
+            ),
+            ev.start("node1", "Smoke-test"),
+        ],
+    )
+    assert model.hosts["node1"].progress == {}
+
+
+def test_plain_renderer_lines() -> None:
+    model = FleetModel()
+    out = io.StringIO()
+    renderer = PlainRenderer(model, out)
+    renderer.start(HEADER)
+    for event in deploy_events():
+        for record in model.handle(event):
+            renderer.record(record)
+    text = out.getvalue()
+    assert text.splitlines()[0] == (
+        "vllm-fleet deploy: deploy.yml | inventory inventory/demo | 2 host(s): node1, node2"
+    )
+    assert "== Download the checkpoint" in text
+    assert "progress    node1: download [##########..........]  50.0%  3/8 files" in text
+    assert "progress    node1: load     [##########..........]  50.0%  2/4 shards" in text
+    assert "failed      node2: Fail with the diagnosis" in text
+    assert "    diagnosis: fp8-kv-cache-on-mla." in text
+    assert "\x1b[" not in text
+
+
+def test_plain_renderer_throttles_progress() -> None:
+    model = FleetModel()
+    out = io.StringIO()
+    renderer = PlainRenderer(model, out)
+    for done in range(0, 101):
+        res = {"vllm_fleet_progress": {"kind": "load", "done": done, "total": 100}}
+        for record in model.handle(ev.retry("node1", "Wait", res)):
+            renderer.record(record)
+    lines = [line for line in out.getvalue().splitlines() if line.startswith("progress")]
+    # 0%, every 10 points, and the finish: not 101 lines.
+    assert len(lines) == 11
+    assert lines[-1].endswith("100/100 shards")
+
+
+def test_tty_renderer_redraws_live_block() -> None:
+    model = FleetModel()
+    out = io.StringIO()
+    renderer = TtyRenderer(model, out)
+    for event in deploy_events()[:4]:
+        for record in model.handle(event):
+            renderer.record(record)
+    live = renderer.live_lines(160)
+    assert live[0].startswith("  node1")
+    assert "Wait for the download  (waiting, attempt 2/100)" in live[0]
+    assert "download [############............]  50.0%" in live[1]
+    renderer.record({"type": "play_start", "play": "Serve"})
+    # The block is erased (cursor up + clear) before the next line scrolls in.
+    assert f"\x1b[{len(live)}F\x1b[J== Serve" in out.getvalue()
+    renderer.close()
+
+
+def test_json_renderer_and_summary_schema() -> None:
+    clock = FakeClock()
+    model = FleetModel(clock=clock)
+    out = io.StringIO()
+    renderer = JsonRenderer(model, out)
+    renderer.start(HEADER)
+    for event in deploy_events():
+        clock.now += 1
+        for record in model.handle(event):
+            renderer.record(record)
+    model.hosts["node1"].node.update(
+        {"release": "20261129T140000Z", "vllm_version": "0.32.0", "health": "ok"}
+    )
+    summary = summary_object(model, HEADER, exit_code=1, status="failed", rc=2)
+    out.write(json.dumps(summary) + "\n")
+
+    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert lines[0]["type"] == "run_start" and lines[0]["hosts"] == ["node1", "node2"]
+    assert all("type" in line and "time" in line for line in lines[1:-1])
+    final = lines[-1]
+    assert final["type"] == "summary"
+    assert set(final) == {
+        "type",
+        "command",
+        "playbook",
+        "ok",
+        "exit_code",
+        "runner_status",
+        "ansible_rc",
+        "duration",
+        "hosts",
+        "failures",
+        "errors",
+    }
+    assert final["ok"] is False and final["exit_code"] == 1
+    node1 = final["hosts"]["node1"]
+    assert node1["result"] == "ok" and node1["release"] == "20261129T140000Z"
+    assert set(node1) >= {"counts", "duration", "vllm_version", "endpoint", "health", "unit"}
+    assert final["hosts"]["node2"]["result"] == "failed"
+    assert final["failures"][0]["task"] == "Fail with the diagnosis"
+    assert final["failures"][0]["role"] is None
+    assert final["failures"][0]["diagnosis"].startswith("fp8-kv-cache-on-mla")
+
+
+def test_summary_text_names_host_task_and_diagnosis() -> None:
+    model = FleetModel()
+    feed(model, deploy_events())
+    model.hosts["node1"].node.update(
+        {"release": "r1", "vllm_version": "0.32.0", "endpoint": "http://n1:8001", "health": "ok"}
+    )
+    text = summary_text(summary_object(model, HEADER, 1, "failed", 2), with_node=True)
+    lines = text.splitlines()
+    heading = next(line for line in lines if line.startswith("HOST"))
+    assert heading.split() == [
+        "HOST",
+        "RESULT",
+        "CHANGED",
+        "RELEASE",
+        "VLLM",
+        "ENDPOINT",
+        "HEALTH",
+        "DURATION",
+    ]
+    node1 = next(line for line in lines if line.startswith("node1"))
+    assert node1.split()[:7] == ["node1", "ok", "1", "r1", "0.32.0", "http://n1:8001", "ok"]
+    assert "FAILED node2: Fail with the diagnosis" in text
+    assert "  diagnosis: fp8-kv-cache-on-mla." in text
+    assert text.rstrip().splitlines()[-1].startswith("deploy failed (exit 1)")
+
+
+def test_status_table_and_object() -> None:
+    model = FleetModel()
+    node = {
+        "unit": "active/running",
+        "health": "ok",
+        "served_model": "tiny-kimi",
+        "release": "r2",
+        "vllm_version": "0.32.0",
+        "endpoint": "http://127.0.0.1:8001",
+    }
+    feed(
+        model,
+        [
+            ev.ok("node1", "Report the node status", {"vllm_fleet_node": node}),
+            ev.result("runner_on_unreachable", "node2", "Read the unit state", {"msg": "down"}),
+            ev.stats(ok={"node1": 7}, dark={"node2": 1}),
+        ],
+    )
+    status = status_object(model, exit_code=1)
+    assert status["hosts"]["node1"] == node | {"reachable": True}
+    assert status["hosts"]["node2"]["reachable"] is False
+    text = status_text(status)
+    rows = [line.split() for line in text.splitlines()]
+    assert rows[0] == ["HOST", "UNIT", "HEALTH", "MODEL", "RELEASE", "VLLM", "ENDPOINT"]
+    assert rows[1] == [
+        "node1",
+        "active/running",
+        "ok",
+        "tiny-kimi",
+        "r2",
+        "0.32.0",
+        node["endpoint"],
+    ]
+    assert rows[2][:2] == ["node2", "unreachable"]
+
+
+def test_ansible_error_output_is_kept_for_the_summary() -> None:
+    model = FleetModel()
+    feed(
+        model,
+        [
+            {"event": "verbose", "stdout": "\x1b[0;31m[ERROR]: YAML parsing failed\x1b[0m"},
+            {"event": "verbose", "stdout": "Origin: deploy.yml:3:1"},
+        ],
+    )
+    summary = summary_object(model, HEADER, 3, "failed", 4)
+    assert summary["errors"] == ["[ERROR]: YAML parsing failed", "Origin: deploy.yml:3:1"]
+    assert "could not run the play" in summary_text(summary, with_node=False)
