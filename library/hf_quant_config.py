@@ -61,13 +61,18 @@ options:
         is not overwritten (the module fails instead); a file that again
         carries its own declaration (for example a fresh download) is left
         as it is.
+      - On a checkpoint this module never patched (no record in the manifest)
+        V(original) changes nothing; if no file declares KV-cache quantization
+        it warns that a hand edit cannot be undone from here.
     type: str
     choices: [absent, original]
     default: absent
   backup:
     description:
       - Keep a pristine copy of each file before its first modification.
-      - Without it, V(original) cannot restore the declarations later.
+      - Without it, V(original) cannot restore the declarations later and
+        fails for the files patched this way. The patch is recorded in the
+        manifest either way, so that this failure is loud, not silent.
     type: bool
     default: true
   backup_dir:
@@ -327,9 +332,9 @@ def plan_absent(plan: Plan, backup: bool) -> None:
         cfg.new_raw = new_text.encode("utf-8")
         cfg.removed = [json_pointer(p) for p in paths]
         if backup:
-            entry = plan.manifest["files"].get(cfg.name, {})
+            entry = plan.manifest["files"].get(cfg.name) or {}
             target = os.path.join(plan.backup_dir, backup_name(cfg))
-            if entry.get("sha256") != cfg.sha256 or not os.path.isfile(target):
+            if entry.get("pristine") != os.path.basename(target) or not os.path.isfile(target):
                 plan.backups[cfg.name] = (target, cfg.raw)
 
 
@@ -352,6 +357,11 @@ def plan_original(plan: Plan) -> None:
         if entry is None or cfg.sha256 == entry.get("sha256"):
             continue
         if cfg.sha256 == entry.get("patched_sha256"):
+            if not entry.get("pristine"):
+                raise PatchError(
+                    f"{cfg.path}: was patched with backup=false, so there is no pristine copy "
+                    f"in {plan.backup_dir} to restore from; re-download the file"
+                )
             cfg.new_raw = read_pristine(plan.backup_dir, cfg.name, entry)
             plan.restored.append(cfg.name)
         elif cfg.declarations:
@@ -365,16 +375,15 @@ def plan_original(plan: Plan) -> None:
                 "not overwriting it with the pristine copy. Re-download the file or restore "
                 f"it by hand from {plan.backup_dir}"
             )
-    if entries:
-        return
+    # No record: this module never patched the checkpoint (it records every
+    # patch, even without a backup), so it is as shipped. Only a hand edit
+    # could have removed declarations; say so rather than fail a fresh deploy
+    # of a checkpoint that simply has no quantized KV cache.
     quantized = any(has_quant_section(c.name, c.doc) for c in plan.files)
-    declared = any(c.declarations for c in plan.files)
-    if quantized and not declared:
-        raise PatchError(
-            f"kv_cache_quant=original: no pristine backup in {plan.backup_dir}, and no file in "
-            f"{os.path.dirname(plan.files[0].path)} declares KV-cache quantization, so its "
-            "original declarations are unknown (patched without backup?). Set backup_dir to "
-            "where the pristine copies are, or re-download config.json and hf_quant_config.json"
+    if not entries and quantized and not any(c.declarations for c in plan.files):
+        plan.warnings.append(
+            f"no record of a patch in {plan.backup_dir}: the checkpoint declares no KV-cache "
+            "quantization; if its files were edited by hand, restore them by re-downloading"
         )
 
 
@@ -390,7 +399,7 @@ def check_writable(plan: Plan) -> None:
             raise PatchError(
                 f"{cfg.path}: its directory is not writable (needed for the atomic rename)"
             )
-    if plan.backups:
+    if any(c.removed for c in plan.writes):  # the manifest is written too
         existing = plan.backup_dir
         while not os.path.isdir(existing):
             existing = os.path.dirname(existing)
@@ -415,52 +424,53 @@ def write_atomic(module: AnsibleModule, path: str, data: bytes) -> None:
             os.unlink(tmp)
 
 
-def write_backups(module: AnsibleModule, plan: Plan) -> list[str]:
-    if not plan.backups:
-        return []
-    os.makedirs(plan.backup_dir, mode=0o755, exist_ok=True)
-    created = []
-    now = datetime.now(UTC).isoformat(timespec="seconds")
-    for cfg in plan.files:
-        if cfg.name not in plan.backups:
-            continue
-        target, data = plan.backups[cfg.name]
-        if not os.path.isfile(target):
-            write_atomic(module, target, data)
-            created.append(target)
-        plan.manifest["files"][cfg.name] = {
-            "pristine": os.path.basename(target),
-            "sha256": cfg.sha256,
-            "backed_up_at": now,
-        }
-    plan.manifest["model_dir"] = os.path.dirname(plan.files[0].path)
-    return created
-
-
 def save_manifest(module: AnsibleModule, plan: Plan) -> None:
     text = json.dumps(plan.manifest, indent=2, sort_keys=True) + "\n"
     write_atomic(module, os.path.join(plan.backup_dir, MANIFEST), text.encode("utf-8"))
 
 
-def apply(module: AnsibleModule, plan: Plan, backup: bool) -> list[str]:
-    """Write backups, then the files; undo earlier files if a later one fails."""
-    created = write_backups(module, plan)
-    done: list[ConfigFile] = []
-    try:
-        for cfg in plan.writes:
-            write_atomic(module, cfg.path, cfg.new_raw or b"")
-            done.append(cfg)
-    except Exception as exc:
-        for cfg in done:
-            write_atomic(module, cfg.path, cfg.raw)
-        raise PatchError(f"{cfg.path}: write failed, nothing changed: {exc}") from None
-    # The patched hash lets `original` tell "our patch" from "edited since".
+def record_patch(module: AnsibleModule, plan: Plan) -> list[str]:
+    """Write pristine copies and the manifest before any checkpoint file.
+
+    The manifest records every patch, with or without a copy, and the hash of
+    the patched file, so that `original` can tell "our patch" from "edited
+    since" and fails loudly when no copy was kept.
+    """
+    patched = [c for c in plan.writes if c.removed]
+    if not patched:
+        return []
+    os.makedirs(plan.backup_dir, mode=0o755, exist_ok=True)
     entries = plan.manifest["files"]
-    for cfg in done:
-        if cfg.removed and cfg.name in entries:
-            entries[cfg.name]["patched_sha256"] = sha256_bytes(cfg.new_raw or b"")
-    if backup and (created or any(c.removed and c.name in entries for c in done)):
-        save_manifest(module, plan)
+    now = datetime.now(UTC).isoformat(timespec="seconds")
+    created = []
+    for cfg in patched:
+        if cfg.name in plan.backups:
+            target, data = plan.backups[cfg.name]
+            if not os.path.isfile(target):
+                write_atomic(module, target, data)
+                created.append(target)
+            entries[cfg.name] = {"pristine": os.path.basename(target), "backed_up_at": now}
+        elif (entries.get(cfg.name) or {}).get("sha256") != cfg.sha256:
+            entries[cfg.name] = {"pristine": None, "backed_up_at": None}
+        entries[cfg.name]["sha256"] = cfg.sha256
+        entries[cfg.name]["patched_sha256"] = sha256_bytes(cfg.new_raw or b"")
+    plan.manifest["model_dir"] = os.path.dirname(plan.files[0].path)
+    save_manifest(module, plan)
+    return created
+
+
+def apply(module: AnsibleModule, plan: Plan) -> list[str]:
+    """Record the patch, then write the files; undo earlier files if a later one fails."""
+    created = record_patch(module, plan)
+    done: list[ConfigFile] = []
+    for cfg in plan.writes:
+        try:
+            write_atomic(module, cfg.path, cfg.new_raw or b"")
+        except OSError as exc:
+            for written in done:
+                write_atomic(module, written.path, written.raw)
+            raise PatchError(f"{cfg.path}: write failed, nothing changed: {exc}") from None
+        done.append(cfg)
     return created
 
 
@@ -472,7 +482,7 @@ def build_result(plan: Plan, state: str, created: list[str]) -> dict[str, Any]:
     backup_files = {
         name: os.path.join(plan.backup_dir, entry["pristine"])
         for name, entry in entries.items()
-        if isinstance(entry, dict) and "pristine" in entry
+        if isinstance(entry, dict) and entry.get("pristine")
     }
     for name, (target, _) in plan.backups.items():
         backup_files[name] = target
@@ -537,7 +547,7 @@ def run(module: AnsibleModule) -> dict[str, Any]:
     check_writable(plan)
     created: list[str] = []
     if plan.writes and not module.check_mode:
-        created = apply(module, plan, params["backup"])
+        created = apply(module, plan)
     for warning in plan.warnings:
         module.warn(warning)
     result = build_result(plan, state, created)

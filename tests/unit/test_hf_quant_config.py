@@ -385,7 +385,9 @@ def test_no_backup_when_disabled(kimi: Path) -> None:
 
     assert result["changed"] is True
     assert result["backup_files"] == {}
-    assert not backup_dir_of(kimi).exists()
+    assert result["backup_files_created"] == []
+    # Only the record of the patch, so that `original` can refuse loudly.
+    assert [p.name for p in backup_dir_of(kimi).iterdir()] == ["manifest.json"]
 
 
 def test_backup_dir_option(kimi: Path, tmp_path: Path) -> None:
@@ -440,6 +442,22 @@ def test_original_on_an_unpatched_checkpoint_changes_nothing(kimi: Path) -> None
 
     assert result["changed"] is False
     assert snapshot(kimi.parent) == before
+
+
+def test_original_without_any_record_only_warns(tmp_path: Path) -> None:
+    # A quantized checkpoint without a quantized KV cache, never patched:
+    # `original` holds already (a fresh deploy must not fail).
+    model_dir = tmp_path / "kimi"
+    write_kimi_configs(model_dir)
+    for name, path in ((CONFIG, KV_SCHEME_PATH), (SIDECAR, SIDECAR_KV_PATH)):
+        (model_dir / name).write_text(dump(drop(load(model_dir / name), path)))
+    before = snapshot(tmp_path)
+
+    result = run({"model_dir": model_dir, "kv_cache_quant": "original"})
+
+    assert result["changed"] is False
+    assert any("no record of a patch" in w for w in result["warnings"])
+    assert snapshot(tmp_path) == before
 
 
 def test_new_revision_gets_its_own_pristine_copy(kimi: Path) -> None:
@@ -516,7 +534,7 @@ def _bad_not_utf8(kimi: Path) -> tuple[dict[str, Any], str]:
 
 def _bad_original_without_backup(kimi: Path) -> tuple[dict[str, Any], str]:
     run({"model_dir": kimi, "backup": False})
-    return {"model_dir": kimi, "kv_cache_quant": "original"}, "no pristine backup in"
+    return {"model_dir": kimi, "kv_cache_quant": "original"}, "was patched with backup=false"
 
 
 def _bad_original_after_hand_edit(kimi: Path) -> tuple[dict[str, Any], str]:
