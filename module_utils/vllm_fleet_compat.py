@@ -1,0 +1,418 @@
+# Copyright: vllm-fleet contributors
+# Apache-2.0
+"""The compatibility matrix evaluator and the plan's fit checks: decision logic in one place.
+
+The matrix itself is data (roles/preflight/files/compat_matrix.yml), passed in as a dict.
+Pure functions, stdlib only (they run on the nodes inside library/vllm_fleet_plan.py).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+# The same declaration paths library/hf_quant_config.py patches (one reader, not two).
+from ansible.module_utils.hf_quant import CONFIG_FILE, HF_QUANT_FILE, find_declarations
+
+GIB = 1024**3
+MIB = 1024**2
+
+# Architectures using Multi-head Latent Attention even when kv_lora_rank is not visible.
+MLA_ARCHITECTURES = frozenset(
+    {
+        "DeepseekV2ForCausalLM",
+        "DeepseekV3ForCausalLM",
+        "DeepseekV32ForCausalLM",
+        "KimiK25ForConditionalGeneration",
+        "KimiVLForConditionalGeneration",
+        "DeepseekVLV2ForCausalLM",
+    }
+)
+ATTENTION_FAMILIES = ("mla", "mha", "unknown")
+KV_QUANTS = ("none", "fp8", "int8", "nvfp4", "unknown")
+
+_VERSION_RE = re.compile(
+    r"^\s*v?(?P<release>\d+(?:\.\d+)*)"
+    r"(?:[.-]?(?P<pre>a|alpha|b|beta|rc|c)[.-]?(?P<pre_n>\d*))?"
+    r"(?:[.-]?post[.-]?(?P<post>\d+))?"
+    r"(?:[.-]?dev[.-]?(?P<dev>\d*))?"
+    r"(?:\+[A-Za-z0-9.]+)?\s*$",
+    re.IGNORECASE,
+)
+_PRE_RANK = {"a": 1, "alpha": 1, "b": 2, "beta": 2, "c": 3, "rc": 3}
+
+
+class MatrixError(ValueError):
+    """The matrix or an input to it is malformed; the message says where."""
+
+
+# ---------------------------------------------------------------- versions
+
+
+def parse_version(text: str) -> tuple[int, ...]:
+    """PEP 440-ish sort key: 0.16.0rc2 < 0.16.0 < 0.16.0.post1; dev before pre; +local ignored."""
+    match = _VERSION_RE.match(str(text))
+    if not match:
+        raise MatrixError(f"cannot parse version {text!r} (expected e.g. 0.16.0rc2, 0.18.0)")
+    release = [int(p) for p in match.group("release").split(".")]
+    release = [*release, 0, 0, 0, 0][:4]
+    if match.group("dev") is not None and match.group("pre") is None:
+        phase, number = 0, int(match.group("dev") or 0)
+    elif match.group("pre"):
+        phase, number = _PRE_RANK[match.group("pre").lower()], int(match.group("pre_n") or 0)
+    else:
+        phase, number = 4, 0
+    post = int(match.group("post") or 0)
+    return (*release, phase, number, post)
+
+
+def parse_compute_capability(text: str) -> tuple[int, int]:
+    match = re.match(r"^\s*(\d+)\.(\d+)\s*$", str(text))
+    if not match:
+        raise MatrixError(f"cannot parse compute capability {text!r} (expected e.g. 12.0)")
+    return int(match.group(1)), int(match.group(2))
+
+
+def _in_range(value: Any, spec: dict[str, Any], parse) -> bool:
+    if "min" in spec and parse(value) < parse(spec["min"]):
+        return False
+    return not ("max_exclusive" in spec and parse(value) >= parse(spec["max_exclusive"]))
+
+
+# ---------------------------------------------------------------- the checkpoint
+
+
+def kv_quant_name(value: Any) -> str:
+    """Normalize a declaration (kv_cache_quant_algo string or kv_cache_scheme dict)."""
+    if value in (None, "", {}, []):
+        return "none"
+    if isinstance(value, dict):
+        bits, kind = value.get("num_bits"), str(value.get("type", "")).lower()
+        if bits == 8 and kind == "float":
+            return "fp8"
+        if bits == 8 and kind == "int":
+            return "int8"
+        if bits == 4 and kind == "float":
+            return "nvfp4"
+        return "unknown"
+    name = str(value).strip().lower()
+    if name.startswith("fp8"):
+        return "fp8"
+    if name in ("int8", "nvfp4"):
+        return name
+    return "unknown"
+
+
+def kv_quant_from_docs(config: dict[str, Any] | None, hf_quant: dict[str, Any] | None) -> str:
+    """The checkpoint's KV quantization, from the same places hf_quant_config patches."""
+    names: set[str] = set()
+    for filename, doc in ((CONFIG_FILE, config), (HF_QUANT_FILE, hf_quant)):
+        if doc:
+            names.update(kv_quant_name(v) for v in find_declarations(filename, doc).values())
+    names.discard("none")
+    if not names:
+        return "none"
+    if len(names) == 1:
+        return names.pop()
+    return "fp8" if "fp8" in names else sorted(names)[0]
+
+
+def attention_from_config(config: dict[str, Any] | None) -> str:
+    """mla when the (text) config has kv_lora_rank or an MLA architecture, else mha."""
+    if not config:
+        return "unknown"
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    for cfg in (config, text):
+        if cfg.get("kv_lora_rank"):
+            return "mla"
+        if MLA_ARCHITECTURES.intersection(cfg.get("architectures") or []):
+            return "mla"
+    return "mha"
+
+
+def checkpoint_traits(
+    config: dict[str, Any] | None,
+    hf_quant: dict[str, Any] | None,
+    declared_attention: str = "",
+    declared_kv_quant: str = "",
+) -> dict[str, Any]:
+    """Attention family and KV quant: from the files when on disk, else the profile's hints."""
+    warnings: list[str] = []
+    if config is not None:
+        attention = attention_from_config(config)
+        kv = kv_quant_from_docs(config, hf_quant)
+        source = "checkpoint"
+        if declared_attention and declared_attention != attention:
+            warnings.append(
+                f"profile declares attention {declared_attention!r} but the checkpoint's "
+                f"config.json says {attention!r}; using the checkpoint"
+            )
+        if declared_kv_quant and declared_kv_quant != kv:
+            warnings.append(
+                f"profile declares KV cache quant {declared_kv_quant!r} but the checkpoint "
+                f"declares {kv!r}; using the checkpoint"
+            )
+    elif declared_attention or declared_kv_quant:
+        attention = declared_attention or "unknown"
+        kv = declared_kv_quant or "unknown"
+        source = "profile"
+    else:
+        attention, kv, source = "unknown", "unknown", "none"
+    return {
+        "attention_family": attention,
+        "kv_cache_quant": kv,
+        "source": source,
+        "warnings": warnings,
+    }
+
+
+# ---------------------------------------------------------------- the matrix
+
+
+_MATCH_KEYS = {
+    "device",
+    "compute_capability",
+    "vllm_version",
+    "attention",
+    "kv_cache_quant",
+    "interconnect",
+    "infiniband",
+    "mig",
+    "world_size",
+}
+
+
+def _check_range(where: str, spec: Any, parse, errors: list[str]) -> None:
+    if not isinstance(spec, dict) or not set(spec) <= {"min", "max_exclusive"} or not spec:
+        errors.append(f"{where}: expected a mapping with min and/or max_exclusive")
+        return
+    for key, value in spec.items():
+        try:
+            parse(value)
+        except MatrixError as exc:
+            errors.append(f"{where}.{key}: {exc}")
+
+
+def _check_match(where: str, match: Any, errors: list[str]) -> None:
+    if not isinstance(match, dict):
+        errors.append(f"{where}.match: expected a mapping")
+        return
+    for key in set(match) - _MATCH_KEYS:
+        errors.append(
+            f"{where}.match: unknown key {key!r} (known: {', '.join(sorted(_MATCH_KEYS))})"
+        )
+    if "compute_capability" in match:
+        _check_range(
+            f"{where}.match.compute_capability",
+            match["compute_capability"],
+            parse_compute_capability,
+            errors,
+        )
+    if "vllm_version" in match:
+        _check_range(f"{where}.match.vllm_version", match["vllm_version"], parse_version, errors)
+    if "world_size" in match:
+        _check_range(f"{where}.match.world_size", match["world_size"], int, errors)
+
+
+def validate_matrix(matrix: Any) -> list[str]:
+    """Every structural problem of the matrix, so a bad edit fails with all its reasons."""
+    errors: list[str] = []
+    if not isinstance(matrix, dict):
+        return ["compat matrix: expected a mapping with kv_cache_rules, nccl_profiles, rejections"]
+    spec = {
+        "kv_cache_rules": ("kv_cache", "attention_backend", "reason"),
+        "nccl_profiles": ("env", "reason"),
+        "rejections": ("reason",),
+    }
+    for section, required in spec.items():
+        rows = matrix.get(section)
+        if not isinstance(rows, list) or not rows:
+            errors.append(f"compat matrix: {section} must be a non-empty list")
+            continue
+        for i, row in enumerate(rows):
+            where = f"{section}[{i}]"
+            if not isinstance(row, dict) or "id" not in row:
+                errors.append(f"{where}: expected a mapping with an id")
+                continue
+            where = f"{section}[{row['id']}]"
+            _check_match(where, row.get("match", {}), errors)
+            decision = row if section == "rejections" else row.get("decision")
+            if not isinstance(decision, dict):
+                errors.append(f"{where}: missing decision mapping")
+                continue
+            errors.extend(f"{where}: decision lacks {k}" for k in required if k not in decision)
+            kv = decision.get("kv_cache")
+            if section == "kv_cache_rules" and kv not in (None, "keep", "drop"):
+                errors.append(f"{where}: kv_cache must be keep or drop, not {kv!r}")
+            env = decision.get("env")
+            if section == "nccl_profiles" and not isinstance(env, dict):
+                errors.append(f"{where}: env must be a mapping")
+    return errors
+
+
+def _as_list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else [value]
+
+
+def matches(match: dict[str, Any], ctx: dict[str, Any]) -> bool:
+    """Whether a row's match block holds for this context (absent keys match anything)."""
+    for key, want in match.items():
+        have = ctx.get(key)
+        if key in ("compute_capability", "vllm_version", "world_size"):
+            if have is None:
+                return False
+            parse = {
+                "compute_capability": parse_compute_capability,
+                "vllm_version": parse_version,
+                "world_size": int,
+            }[key]
+            if not _in_range(have, want, parse):
+                return False
+        elif have not in _as_list(want):
+            return False
+    return True
+
+
+def first_match(rows: list[dict[str, Any]], ctx: dict[str, Any]) -> dict[str, Any] | None:
+    return next((row for row in rows if matches(row.get("match", {}), ctx)), None)
+
+
+def kv_cache_decision(matrix: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any]:
+    """keep/drop the checkpoint's KV quantization and the attention backend to expect."""
+    row = first_match(matrix["kv_cache_rules"], ctx)
+    if row is None:
+        return {
+            "rule": None,
+            "kv_cache": "keep",
+            "attention_backend": "unknown",
+            "reason": "no compat matrix row matched; the checkpoint is left as it is",
+        }
+    decision = row["decision"]
+    backend = decision["attention_backend"]
+    if isinstance(backend, dict):
+        backend = backend.get(ctx.get("attention"), backend.get("default", "unknown"))
+    return {
+        "rule": row["id"],
+        "kv_cache": decision["kv_cache"],
+        "attention_backend": backend,
+        "reason": decision["reason"].strip(),
+    }
+
+
+def nccl_decision(matrix: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any]:
+    row = first_match(matrix["nccl_profiles"], ctx)
+    if row is None:
+        return {"profile": None, "env": {}, "reason": "no NCCL profile matched: NCCL defaults"}
+    env = {str(k): str(v) for k, v in row["decision"]["env"].items()}
+    return {"profile": row["id"], "env": env, "reason": row["decision"]["reason"].strip()}
+
+
+def rejections(matrix: dict[str, Any], ctx: dict[str, Any]) -> list[str]:
+    return [
+        f"{row['reason'].strip()} [compat matrix: {row['id']}]"
+        for row in matrix["rejections"]
+        if matches(row.get("match", {}), ctx)
+    ]
+
+
+# ---------------------------------------------------------------- fit checks
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+def gpu_fit_problems(
+    gpu: dict[str, Any],
+    tensor_parallel: int,
+    pipeline_parallel: int,
+    checkpoint_bytes: int,
+    memory_utilization: float,
+    min_kv_cache_bytes: int,
+) -> list[str]:
+    """Parallel size vs GPUs, and weights per GPU + a minimum KV budget vs GPU memory."""
+    problems: list[str] = []
+    world = tensor_parallel * pipeline_parallel
+    if not gpu.get("nvidia_smi_found"):
+        return [
+            "no NVIDIA driver: nvidia-smi not found (device is cuda; install the driver or "
+            "set vllm_fleet_device: cpu)"
+        ]
+    if not gpu.get("driver_loaded"):
+        return [f"NVIDIA driver not loaded: {gpu.get('message', 'nvidia-smi failed')}"]
+    count = int(gpu.get("gpu_count", 0))
+    if count == 0:
+        return ["nvidia-smi reports no GPUs"]
+    if world > count:
+        problems.append(
+            f"tensor_parallel_size {tensor_parallel} x pipeline_parallel_size {pipeline_parallel}"
+            f" = {world} GPUs needed, this host has {count}"
+        )
+    memories = [g["memory_mib"] for g in gpu.get("gpus", []) if g.get("memory_mib")]
+    if memories and world > 0:
+        usable = min(memories) * MIB * memory_utilization
+        weights = checkpoint_bytes / world
+        need = weights + min_kv_cache_bytes
+        if need > usable:
+            problems.append(
+                f"weights per GPU {_gib(weights)} (checkpoint {_gib(checkpoint_bytes)} / {world})"
+                f" + minimum KV cache {_gib(min_kv_cache_bytes)} = {_gib(need)} exceeds usable GPU"
+                f" memory {_gib(usable)} ({min(memories)} MiB x {memory_utilization})"
+            )
+    return problems
+
+
+def cpu_fit_problems(
+    mem_total_bytes: int, checkpoint_bytes: int, kv_cache_bytes: int, overhead_bytes: int
+) -> list[str]:
+    need = checkpoint_bytes + kv_cache_bytes + overhead_bytes
+    if need > mem_total_bytes:
+        return [
+            f"host memory {_gib(mem_total_bytes)} is less than checkpoint {_gib(checkpoint_bytes)}"
+            f" + KV cache {_gib(kv_cache_bytes)} + server overhead {_gib(overhead_bytes)}"
+            f" = {_gib(need)}"
+        ]
+    return []
+
+
+def peer_problems(me: dict[str, Any], peers: list[dict[str, Any]]) -> list[str]:
+    """Hosts of one multi-GPU group must agree on GPU model and driver."""
+    problems: list[str] = []
+    for peer in peers:
+        if peer.get("host") == me.get("host"):
+            continue
+        for key, label in (("gpu_names", "GPU model"), ("driver_version", "driver version")):
+            if peer.get(key) != me.get(key):
+                problems.append(
+                    f"{label} differs from {peer.get('host')} in group {me.get('group')}: "
+                    f"{me.get(key)} here, {peer.get(key)} there"
+                )
+    return problems
+
+
+def plan_context(
+    device: str,
+    gpu: dict[str, Any],
+    vllm_version: str,
+    attention: str,
+    kv_quant: str,
+    world_size: int,
+) -> dict[str, Any]:
+    """The keys matrix rows match on, for one host."""
+    ccs = sorted(
+        {g["compute_capability"] for g in gpu.get("gpus", []) if g.get("compute_capability")},
+        key=parse_compute_capability,
+    )
+    summary = gpu.get("summary", {})
+    return {
+        "device": device,
+        # The lowest capability decides: every GPU of the world must run the backend.
+        "compute_capability": ccs[0] if device == "cuda" and ccs else None,
+        "vllm_version": vllm_version,
+        "attention": attention,
+        "kv_cache_quant": kv_quant,
+        "interconnect": summary.get("interconnect", "none"),
+        "infiniband": bool(gpu.get("infiniband")),
+        "mig": bool(gpu.get("mig_enabled")),
+        "world_size": world_size,
+    }

@@ -1,0 +1,220 @@
+"""library/vllm_fleet_plan.py in-process: the plan and every problem, on real files and sockets."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from ansible.module_utils.gpu import build_facts
+from ansible.module_utils.testing import patch_module_args
+
+from tests.support.ansible_module import (  # noqa: F401 (patch_ansible_module: autouse fixture)
+    AnsibleExitJson,
+    AnsibleFailJson,
+    load_module,
+    patch_ansible_module,
+)
+from tests.support.kimi_checkpoint import write_kimi_checkpoint, write_kimi_configs
+
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURES = ROOT / "tests" / "fixtures" / "nvidia-smi"
+MATRIX = yaml.safe_load((ROOT / "roles/preflight/files/compat_matrix.yml").read_text())
+plan_module = load_module("vllm_fleet_plan")
+KIMI_BYTES = 540_000_000_000
+
+
+def gpu(fixture: str) -> dict[str, Any]:
+    d = FIXTURES / fixture
+    return build_facts(*(d.joinpath(n).read_text() for n in ("query.csv", "topo.txt",
+                                                             "nvidia-smi.txt")), [])  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def storage(tmp_path: Path) -> Path:
+    root = tmp_path / "shared"
+    root.mkdir()
+    return root
+
+
+def args(storage: Path, **over: Any) -> dict[str, Any]:
+    base = {
+        "device": "cuda",
+        "gpu": gpu("rtx-pro-6000-x8"),
+        "matrix": MATRIX,
+        "vllm_version": "0.16.0rc2",
+        "tensor_parallel_size": 8,
+        "checkpoint_bytes": KIMI_BYTES,
+        "model_dir": str(storage / "kimi"),
+        "storage_root": str(storage),
+        "storage_must_be_mount": False,
+        "service_port": free_port(),
+        "service_unit": "vllm-kimi.service",
+        "host": "node1",
+    }
+    base.update(over)
+    return base
+
+
+def run(a: dict[str, Any]) -> dict[str, Any]:
+    with patch_module_args(a), pytest.raises(AnsibleExitJson) as exc:
+        plan_module.main()
+    return exc.value.args[0]
+
+
+def fail(a: dict[str, Any]) -> str:
+    with patch_module_args(a), pytest.raises(AnsibleFailJson) as exc:
+        plan_module.main()
+    return exc.value.args[0]["msg"]
+
+
+def test_source_deployment_drops_fp8_with_pcie_nccl(storage: Path) -> None:
+    write_kimi_checkpoint(storage / "kimi")  # complete on disk: no free-disk demand
+    result = run(args(storage))
+    plan = result["plan"]
+    assert result["problems"] == [] and result["changed"] is False
+    assert plan["kv_cache_quant"] == "absent"
+    assert plan["checkpoint_kv_cache_quant"] == "fp8" and plan["checkpoint_source"] == "checkpoint"
+    assert plan["attention_family"] == "mla"
+    assert plan["expected_attention_backend"] == "TRITON_MLA"
+    assert plan["nccl_env"] == {"NCCL_P2P_LEVEL": "SYS", "NCCL_PROTO": "LL", "NCCL_IB_DISABLE": "1"}
+    assert (plan["tensor_parallel_size"], plan["pipeline_parallel_size"], plan["gpu_count"]) == (
+        8, 1, 8)  # fmt: skip
+    assert result["checks"]["checkpoint_complete"] is True
+
+
+def test_h200_keeps_fp8_with_default_nccl(storage: Path) -> None:
+    write_kimi_checkpoint(storage / "kimi")
+    plan = run(args(storage, gpu=gpu("h200-x8")))["plan"]
+    assert (plan["kv_cache_quant"], plan["expected_attention_backend"], plan["nccl_env"]) == (
+        "original", "FLASHMLA", {})  # fmt: skip
+
+
+def test_profile_hints_before_download(storage: Path) -> None:
+    result = run(args(storage, declared_attention="mla", declared_kv_cache_quant="fp8",
+                      checkpoint_bytes=1000))  # fmt: skip
+    assert result["plan"]["checkpoint_source"] == "profile"
+    assert result["plan"]["kv_cache_quant"] == "absent"
+    assert result["checks"]["checkpoint_complete"] is False
+
+
+def test_checkpoint_already_patched_is_original(storage: Path) -> None:
+    # A checkpoint whose FP8 declarations were removed declares none: nothing left to drop.
+    write_kimi_configs(storage / "kimi", sidecar=False, text_config_overrides={})
+    config = storage / "kimi" / "config.json"
+    config.write_text(config.read_text().replace('"kv_cache_scheme"', '"kv_cache_scheme_x"'))
+    plan = run(args(storage, checkpoint_bytes=1000))["plan"]
+    assert plan["checkpoint_kv_cache_quant"] == "none" and plan["kv_cache_quant"] == "original"
+
+
+def test_every_problem_at_once(storage: Path) -> None:
+    with socket.socket() as busy:
+        busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = run(args(storage, gpu=gpu("l40s-x4"), checkpoint_bytes=10**18, service_port=port))
+    problems = result["problems"]
+    assert len(problems) == 4, problems
+    assert problems[0].startswith("tensor_parallel_size 8 x pipeline_parallel_size 1 = 8 GPUs")
+    assert "exceeds usable GPU memory" in problems[1]
+    assert problems[2].startswith(f"free disk at {storage} is ")
+    assert f"service port {port} is in use by pid {os.getpid()}" in problems[3]
+    assert result["plan"]["kv_cache_quant"] == "original"  # unknown checkpoint: nothing dropped
+
+
+def test_storage_missing(storage: Path) -> None:
+    result = run(args(storage, storage_root=str(storage / "absent"),
+                      model_dir=str(storage / "absent" / "kimi")))  # fmt: skip
+    assert result["problems"] == [f"shared storage {storage}/absent does not exist (not mounted?)"]
+
+
+def test_storage_must_be_a_mount(storage: Path) -> None:
+    result = run(args(storage, storage_must_be_mount=True, checkpoint_bytes=1))
+    mount = result["checks"]["storage_mount_point"]
+    is_root = mount == "/"
+    assert any("not a mount" in p for p in result["problems"]) is is_root
+
+
+def test_storage_probe_leaves_nothing(storage: Path) -> None:
+    run(args(storage, checkpoint_bytes=1, _ansible_check_mode=True))
+    assert list(storage.iterdir()) == []
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through directory permissions")
+def test_storage_not_writable(storage: Path) -> None:
+    storage.chmod(0o555)
+    try:
+        problems = run(args(storage, checkpoint_bytes=1))["problems"]
+    finally:
+        storage.chmod(0o755)
+    assert any("is not writable" in p for p in problems)
+
+
+def test_partial_download_counts(storage: Path) -> None:
+    (storage / "kimi").mkdir()
+    (storage / "kimi" / "model-00001-of-00002.safetensors").write_bytes(b"x" * 4096)
+    checks = run(args(storage, checkpoint_bytes=10_000))["checks"]
+    assert checks["disk_needed_bytes"] == 10_000 - 4096
+
+
+def test_no_driver(storage: Path) -> None:
+    nogpu = {"nvidia_smi_found": True, "driver_loaded": False, "message": "rc 9", "gpus": []}
+    problems = run(args(storage, gpu=nogpu, checkpoint_bytes=1))["problems"]
+    assert problems == ["NVIDIA driver not loaded: rc 9"]
+
+
+def test_mig_with_parallel_is_rejected(storage: Path) -> None:
+    problems = run(args(storage, gpu=gpu("a100-mig-x2"), tensor_parallel_size=2,
+                        checkpoint_bytes=1))["problems"]  # fmt: skip
+    assert len(problems) == 1 and "[compat matrix: mig-parallel]" in problems[0]
+
+
+def test_peer_mismatch(storage: Path) -> None:
+    peers = [{"host": "node2", "group": "fleet", "gpu_names": ["NVIDIA H200"],
+              "driver_version": "570.133.20"}]  # fmt: skip
+    problems = run(args(storage, peers=peers, checkpoint_bytes=1))["problems"]
+    assert len(problems) == 2 and all("node2" in p for p in problems)
+    other_group = [{**peers[0], "group": "other"}]
+    assert run(args(storage, peers=other_group, checkpoint_bytes=1))["problems"] == []
+
+
+def test_cpu_device_checks_memory_not_gpus(storage: Path) -> None:
+    result = run(args(storage, device="cpu", gpu={}, tensor_parallel_size=1,
+                      vllm_version="0.32.0", declared_attention="mla",
+                      declared_kv_cache_quant="fp8", checkpoint_bytes=10**15))  # fmt: skip
+    plan = result["plan"]
+    assert (plan["device"], plan["kv_cache_quant"], plan["gpu_count"]) == ("cpu", "absent", 0)
+    assert plan["compat_rule"] == "cpu-mla-fp8"
+    assert result["problems"][0].startswith("host memory")
+    assert not any("GPU" in p or "driver" in p for p in result["problems"])
+
+
+def test_malformed_config_is_a_problem(storage: Path) -> None:
+    (storage / "kimi").mkdir()
+    (storage / "kimi" / "config.json").write_text("{not json")
+    problems = run(args(storage, checkpoint_bytes=1))["problems"]
+    assert any(p.startswith(f"cannot read {storage}/kimi/config.json") for p in problems)
+
+
+@pytest.mark.parametrize(
+    ("over", "message"),
+    [
+        ({"vllm_version": "latest"}, "vllm_version: cannot parse version 'latest'"),
+        ({"tensor_parallel_size": 0}, "parallel sizes must be >= 1"),
+        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization must be in (0, 1]"),
+        ({"matrix": {"kv_cache_rules": []}}, "compat matrix is malformed"),
+        ({"declared_kv_cache_quant": "fp16"}, "declared_kv_cache_quant"),
+    ],
+)
+def test_bad_input_fails_clearly(storage: Path, over: dict[str, Any], message: str) -> None:
+    assert message in fail(args(storage, **over))
