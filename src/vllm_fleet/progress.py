@@ -360,10 +360,11 @@ def _download_snapshot(res: dict[str, Any]) -> Progress | None:
         with contextlib.suppress(ValueError):
             candidates.append(json.loads(stdout))
     for candidate in candidates:
+        # A snapshot has counts done; a plan or final result only totals.
         if (
             isinstance(candidate, dict)
-            and "files_total" in candidate
             and "bytes_total" in candidate
+            and ("files_done" in candidate or "bytes_done" in candidate)
         ):
             return Progress(
                 kind="download",
@@ -554,6 +555,7 @@ class PlainRenderer(Renderer):
         super().__init__(model, stream)
         self.verbose = verbose
         self._last: dict[tuple[str, str], float] = {}
+        self._seen_ok: set[tuple[Any, ...]] = set()
 
     def start(self, header: dict[str, Any]) -> None:
         self.emit(header_line(header))
@@ -570,10 +572,7 @@ class PlainRenderer(Renderer):
         if kind == "task_start" and self.verbose:
             return f"-- {record['task']}"
         if kind == "task_result":
-            quiet = record["status"] == "skipped" or (
-                record["status"] == "ok" and record.get("action") in QUIET_ACTIONS
-            )
-            return None if quiet and not self.verbose else describe_result(record)
+            return None if self._quiet(record) and not self.verbose else describe_result(record)
         if kind == "progress":
             return self._progress(record)
         if kind == "retry":
@@ -584,6 +583,21 @@ class PlainRenderer(Renderer):
         if kind == "output" and self.verbose:
             return record["text"]
         return None
+
+    def _quiet(self, record: dict[str, Any]) -> bool:
+        """Skipped tasks, bookkeeping, and the same "ok" again (a polling loop's rounds)."""
+        status = record["status"]
+        if status == "skipped":
+            return True
+        if status != "ok":
+            return False
+        if record.get("action") in QUIET_ACTIONS:
+            return True
+        key = (record["host"], record.get("play"), record.get("task"))
+        if key in self._seen_ok:
+            return True
+        self._seen_ok.add(key)
+        return False
 
     def _progress(self, record: dict[str, Any]) -> str | None:
         key = (record["host"], record["kind"])
@@ -617,7 +631,9 @@ class TtyRenderer(PlainRenderer):
         self._ticker.start()
 
     def record(self, record: dict[str, Any]) -> None:
-        text = None if record["type"] == "progress" else self.format(record)
+        # Progress also scrolls (throttled like plain text), so the history
+        # keeps how a download or load went; the live block shows it now.
+        text = self.format(record)
         with self._lock:
             self._erase()
             if text is not None:

@@ -211,6 +211,8 @@ def test_extract_progress_sources(res: dict, expected: tuple) -> None:
 
 def test_extract_progress_ignores_unrelated_results() -> None:
     assert extract_progress({"msg": "All assertions passed", "changed": False}) == []
+    # hf_snapshot's plan and final results carry totals only: no bar from them.
+    assert extract_progress({"files_total": 119, "bytes_total": 10, "files_to_fetch": 3}) == []
     assert extract_progress({"stdout": "{not json"}) == []
 
 
@@ -408,3 +410,29 @@ def test_ansible_error_output_is_kept_for_the_summary() -> None:
     summary = summary_object(model, HEADER, 3, "failed", 4)
     assert summary["errors"] == ["[ERROR]: YAML parsing failed", "Origin: deploy.yml:3:1"]
     assert "could not run the play" in summary_text(summary, with_node=False)
+
+
+def test_plain_renderer_collapses_polling_rounds() -> None:
+    model = FleetModel()
+    out = io.StringIO()
+    renderer = PlainRenderer(model, out)
+    progress = {"files_done": 0, "files_total": 10, "bytes_done": 0, "bytes_total": 1000}
+    for round_ in range(1, 6):
+        progress |= {"files_done": round_ * 2, "bytes_done": round_ * 200}
+        content = base64.b64encode(json.dumps(progress).encode()).decode()
+        events = [
+            ev.ok(
+                "node1", "Read the download progress", {"content": content, "encoding": "base64"}
+            ),
+            ev.ok("node1", "Keep following the download"),
+        ]
+        for event in events:
+            for record in model.handle(event):
+                renderer.record(record)
+    for record in model.handle(ev.ok("node1", "Record the manifest", {"changed": True})):
+        renderer.record(record)
+    lines = out.getvalue().splitlines()
+    assert lines.count("ok          node1: Read the download progress") == 1
+    assert lines.count("ok          node1: Keep following the download") == 1
+    assert len([line for line in lines if line.startswith("progress")]) == 5
+    assert lines[-1] == "changed     node1: Record the manifest"
