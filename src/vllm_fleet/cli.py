@@ -224,7 +224,8 @@ def run_command(
     finally:
         renderer.close()
     code = exit_code_for(model, result)
-    if args.command in ("deploy", "rollback") and not (request.check or args.no_status):
+    probe = args.command in ("deploy", "rollback") and not (request.check or args.no_status)
+    if probe and code != EXIT_INTERRUPTED:
         _merge_status(request, model, redactor, run, stdout, args.json)
     summary = summary_object(model, header, code, result.status, result.rc)
     if args.json:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
+import difflib
 import json
 import re
 import shutil
@@ -245,6 +246,9 @@ class FleetModel:
             "status": status,
             "duration": data.get("duration"),
         }
+        diff = render_diff(res.get("diff"))
+        if diff:
+            record["diff"] = diff
         if status in ("failed", "unreachable"):
             failure = _failure(state.name, data, res, unreachable=status == "unreachable")
             state.failure = failure
@@ -300,6 +304,30 @@ class FleetModel:
             for state in self.hosts.values()
             if state.failure is not None and not self.host_ok(state)
         ]
+
+
+def render_diff(diff: Any) -> str:
+    """A task's --diff output as unified diff text ('' when it has none)."""
+    entries = diff if isinstance(diff, list) else [diff]
+    chunks = []
+    for entry in entries:
+        if not isinstance(entry, dict):
+            continue
+        if isinstance(entry.get("prepared"), str):
+            chunks.append(entry["prepared"].rstrip("\n"))
+            continue
+        before, after = entry.get("before", ""), entry.get("after", "")
+        if not isinstance(before, str) or not isinstance(after, str) or before == after:
+            continue
+        lines = difflib.unified_diff(
+            before.splitlines(),
+            after.splitlines(),
+            fromfile=str(entry.get("before_header", "before")),
+            tofile=str(entry.get("after_header", "after")),
+            lineterm="",
+        )
+        chunks.append("\n".join(lines))
+    return "\n".join(chunk for chunk in chunks if chunk)
 
 
 def _find_key(res: dict[str, Any], key: str) -> Any:
@@ -498,6 +526,8 @@ def describe_result(record: dict[str, Any]) -> str:
         line += "\n    " + _first_lines(record["msg"], 6).replace("\n", "\n    ")
     if record.get("diagnosis"):
         line += f"\n    diagnosis: {record['diagnosis']}"
+    if record.get("diff"):
+        line += "\n    " + record["diff"].replace("\n", "\n    ")
     return line
 
 

@@ -286,8 +286,15 @@ def run_playbook(
         if request.diff:
             cmdline.append("--diff")
 
+        broken: list[str] = []
+
         def on_event(event: dict[str, Any]) -> bool:
-            event_handler(event)
+            try:
+                event_handler(event)
+            except Exception as exc:  # a display bug must not abort a deploy midway
+                if not broken:
+                    sys.stderr.write(f"vllm-fleet: cannot display an event ({exc!r}); continuing\n")
+                broken.append(repr(exc))
             # False: runner keeps no copy of the event (it may hold secrets) on disk.
             return False
 

@@ -23,15 +23,18 @@ HEADINGS = {
 }
 
 
-def host_result(model: FleetModel, state: HostState) -> str:
+def host_result(model: FleetModel, state: HostState, status: str = "successful") -> str:
     if state.counts.get("unreachable"):
         return "unreachable"
-    return "ok" if model.host_ok(state) else "failed"
+    if not model.host_ok(state):
+        return "failed"
+    # Cancelled before the recap: the host's work was cut short.
+    return "interrupted" if status == "canceled" and model.stats is None else "ok"
 
 
-def host_summary(model: FleetModel, state: HostState) -> dict[str, Any]:
+def host_summary(model: FleetModel, state: HostState, status: str = "successful") -> dict[str, Any]:
     record: dict[str, Any] = {
-        "result": host_result(model, state),
+        "result": host_result(model, state, status),
         "counts": dict(state.counts),
         "duration": None if state.duration is None else round(state.duration, 1),
     }
@@ -48,12 +51,13 @@ def summary_object(
         "type": "summary",
         "command": header["command"],
         "playbook": header["playbook"],
+        "check": bool(header.get("check")),
         "ok": exit_code == 0,
         "exit_code": exit_code,
         "runner_status": status,
         "ansible_rc": rc,
         "duration": round(model.clock() - model.started, 1),
-        "hosts": {name: host_summary(model, state) for name, state in model.hosts.items()},
+        "hosts": {name: host_summary(model, state, status) for name, state in model.hosts.items()},
         "failures": [failure.as_dict() for failure in model.failures()],
         "errors": model.errors[-20:] if exit_code not in (0, 1) else [],
     }
@@ -110,6 +114,10 @@ def summary_text(summary: dict[str, Any], with_node: bool) -> str:
         for text in summary["errors"][-12:]:
             lines.extend("  " + line for line in text.splitlines())
     verdict = "succeeded" if summary["ok"] else f"failed (exit {summary['exit_code']})"
+    if summary.get("check"):
+        verdict += " (check mode: nothing was changed; CHANGED = would change)"
+    if summary["runner_status"] == "canceled":
+        verdict = f"interrupted (exit {summary['exit_code']})"
     lines.append(f"\n{summary['command']} {verdict} in {human_duration(summary['duration'])}")
     return "\n".join(lines)
 

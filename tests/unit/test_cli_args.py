@@ -287,3 +287,15 @@ def test_renderer_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     assert type(cli.make_renderer(parse("deploy", "--json"), model, FakeTty())) is cli.JsonRenderer
     monkeypatch.setenv("TERM", "dumb")
     assert type(cli.make_renderer(parse("deploy"), model, FakeTty())) is cli.PlainRenderer
+
+
+@pytest.mark.usefixtures("one_host")
+def test_interrupted_run_skips_the_probe_and_says_so() -> None:
+    run, seen = replay([ev.ok("node1", "Plan the download")], RunResult("canceled", 0))
+    out = io.StringIO()
+    code = cli.run_command(parse("deploy", "-i", str(LOCAL), "--plain"), out, run=run)
+    assert code == 130
+    assert [req.playbook for req in seen] == ["deploy.yml"]
+    lines = out.getvalue().splitlines()
+    assert next(line for line in lines if line.startswith("node1")).split()[1] == "interrupted"
+    assert lines[-1].startswith("deploy interrupted (exit 130)")

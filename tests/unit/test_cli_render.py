@@ -317,6 +317,7 @@ def test_json_renderer_and_summary_schema() -> None:
         "type",
         "command",
         "playbook",
+        "check",
         "ok",
         "exit_code",
         "runner_status",
@@ -436,3 +437,31 @@ def test_plain_renderer_collapses_polling_rounds() -> None:
     assert lines.count("ok          node1: Keep following the download") == 1
     assert len([line for line in lines if line.startswith("progress")]) == 5
     assert lines[-1] == "changed     node1: Record the manifest"
+
+
+def test_diff_mode_results_show_a_unified_diff() -> None:
+    model = FleetModel()
+    res = {
+        "changed": True,
+        "diff": [
+            {
+                "before": '{\n  "kv_cache_quant_algo": "FP8",\n  "group_size": 16\n}\n',
+                "after": '{\n  "group_size": 16\n}\n',
+                "before_header": "hf_quant_config.json (before)",
+                "after_header": "hf_quant_config.json (after)",
+            }
+        ],
+    }
+    (record,) = model.handle(ev.ok("node1", "Ensure the KV-cache quantization is absent", res))
+    assert record["diff"].splitlines() == [
+        "--- hf_quant_config.json (before)",
+        "+++ hf_quant_config.json (after)",
+        "@@ -1,4 +1,3 @@",
+        " {",
+        '-  "kv_cache_quant_algo": "FP8",',
+        '   "group_size": 16',
+        " }",
+    ]
+    out = io.StringIO()
+    PlainRenderer(model, out).record(record)
+    assert '\n    -  "kv_cache_quant_algo": "FP8",' in out.getvalue()
