@@ -109,6 +109,10 @@ options:
         By default the recorded commit is kept, so remote code cannot change under a running fleet.
     type: bool
     default: false
+  chunk_bytes:
+    description: Bytes per read/write; a killed run loses at most this much per file.
+    type: int
+    default: 1048576
 notes:
   - Check mode runs V(plan). Diff mode lists the files that would be fetched.
 """
@@ -242,6 +246,7 @@ def build_options(params: dict) -> Options:
         patched_files=params["patched_files"],
         lock_timeout=params["lock_timeout"],
         update=params["update"],
+        chunk_bytes=params["chunk_bytes"],
     )
 
 
@@ -282,6 +287,7 @@ def main() -> None:
             "patched_files": {"type": "list", "elements": "str", "default": []},
             "lock_timeout": {"type": "int", "default": 3600},
             "update": {"type": "bool", "default": False},
+            "chunk_bytes": {"type": "int", "default": 1 << 20},
         },
         supports_check_mode=True,
     )

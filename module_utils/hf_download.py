@@ -68,6 +68,7 @@ class Options:
     patched_files: list[str] = field(default_factory=list)
     lock_timeout: float = 3600.0
     update: bool = False
+    chunk_bytes: int = 1 << 20
 
 
 @dataclass
@@ -460,9 +461,13 @@ def make_counter(progress: Progress) -> type:
 
 def fetch_one(opts: Options, sha: str, entry: Entry, progress: Progress) -> dict[str, Any]:
     """HEAD + GET one file into its .part (resumed by Range), check it, move it into place."""
-    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
     from huggingface_hub.file_download import http_get
     from huggingface_hub.utils import build_hf_headers
+
+    # http_get writes in chunks of this size: smaller than the library's 10 MB, so a
+    # killed run leaves at most one chunk per file unwritten and progress is smooth.
+    constants.DOWNLOAD_CHUNK_SIZE = opts.chunk_bytes
 
     url = hf_hub_url(opts.repo_id, entry.path, revision=sha, endpoint=opts.endpoint or None)
     meta = get_hf_file_metadata(url, token=opts.token or None, endpoint=opts.endpoint or None)

@@ -82,6 +82,7 @@ class Request:
     range: str | None
     status: int
     sent: int = 0
+    auth: str | None = None
 
 
 @dataclass
@@ -190,6 +191,7 @@ class Handler(BaseHTTPRequestHandler):
         url = urlsplit(self.path)
         path = unquote(url.path)
         req = Request(method, path, None, self.headers.get("Range"), 0)
+        req.auth = self.headers.get("Authorization")
         try:
             if path.startswith("/_control/"):
                 self._control(method, path)
@@ -487,10 +489,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--root", required=True, help="directory of repos (<org>/<name>/...)")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--page-size", type=int, default=1000)
+    parser.add_argument("--port-file", type=Path, help="write the endpoint URL here once listening")
+    parser.add_argument("--pid-file", type=Path, help="write this process's pid here")
     args = parser.parse_args(argv)
     state = HubState(root=Path(args.root), page_size=args.page_size)
     httpd = HubHTTPServer(state, args.port)
-    print(f"http://{LOOPBACK}:{httpd.server_port}", flush=True)
+    endpoint = f"http://{LOOPBACK}:{httpd.server_port}"
+    if args.pid_file:
+        args.pid_file.write_text(f"{os.getpid()}\n")
+    if args.port_file:
+        args.port_file.write_text(endpoint + "\n")
+    print(endpoint, flush=True)
     try:
         httpd.serve_forever()
     except KeyboardInterrupt:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.support.hub_server import LFS_SUFFIXES, FileMeta, git_blob_sha1, sha256_file
+from tests.support.kimi_checkpoint import write_kimi_configs
 
 KIMI_REPO = "nvidia/Kimi-K2.5-NVFP4"
 SHARDS = 119
@@ -61,30 +62,6 @@ def write_shard(path: Path, index: int, data_bytes: int) -> list[str]:
     return names
 
 
-def _configs(shards: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    try:  # the richer Kimi-shaped configs from issue 2, when present
-        from tests.support import kimi_checkpoint  # type: ignore[attr-defined]
-
-        return kimi_checkpoint.kimi_configs()  # type: ignore[no-any-return]
-    except (ImportError, AttributeError):
-        pass
-    config = {
-        "architectures": ["KimiK25ForConditionalGeneration"],
-        "model_type": "kimi_k25",
-        "auto_map": {"AutoConfig": "configuration_kimi_k25.KimiK25Config"},
-        "text_config": {"model_type": "kimi_k2", "num_hidden_layers": shards},
-        "quantization_config": {
-            "quant_method": "modelopt",
-            "kv_cache_scheme": {"num_bits": 8, "type": "float", "dynamic": False},
-        },
-    }
-    quant = {
-        "producer": {"name": "modelopt", "version": "0.37.0"},
-        "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": "FP8", "group_size": 16},
-    }
-    return config, quant
-
-
 def build_repo(
     root: Path,
     repo_id: str = KIMI_REPO,
@@ -107,11 +84,9 @@ def build_repo(
         for tensor in write_shard(staging / name, index, shard_bytes):
             weight_map[tensor] = name
     index_doc = {"metadata": {"total_size": shard_bytes * shards}, "weight_map": weight_map}
-    config, quant = _configs(shards)
+    write_kimi_configs(staging)  # config.json + hf_quant_config.json, Kimi-K2.5-NVFP4 shaped
     texts: dict[str, Any] = {
         "model.safetensors.index.json": index_doc,
-        "config.json": config,
-        "hf_quant_config.json": quant,
         "generation_config.json": {"max_length": 262144},
         "tokenizer_config.json": {"tokenizer_class": "TikTokenTokenizer", "auto_map": {}},
         "special_tokens_map.json": {"bos_token": "[BOS]", "eos_token": "[EOS]"},

@@ -1,0 +1,342 @@
+"""roles/model_download through ansible-runner against tests/support/hub_server.py.
+
+Real parts only: the real huggingface_hub client (in the role's toolkit venv), our
+hub-compatible server on loopback serving a Kimi-K2.5-NVFP4-shaped repo (119 small
+shards), real filesystems (a real tmpfs for the too-small case). The hub counts
+requests per file, so "fetched nothing" and "did not refetch" are measured, not assumed.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import ansible_runner
+import pytest
+
+from tests.support.hub_server import HubServer
+from tests.support.synthetic_repo import KIMI_REPO, SHARDS, build_repo, shard_name
+
+ROOT = Path(__file__).resolve().parents[2]
+PLAYBOOK = ROOT / "tests" / "integration" / "playbooks" / "download.yml"
+LOCAL_INVENTORY = ROOT / "inventory" / "local" / "hosts.yml"
+SHARD_BYTES = 256 * 1024
+START_TASK = "Start the download"
+VERIFY_TASK = "Check that this host sees the complete checkpoint"
+CACHE = Path(os.environ.get("VLLM_FLEET_CACHE", Path.home() / ".cache" / "vllm-fleet"))
+
+
+@pytest.fixture(scope="session")
+def repo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    root = tmp_path_factory.mktemp("hub")
+    sha = build_repo(root, KIMI_REPO, shard_bytes=SHARD_BYTES)
+    return root, sha
+
+
+@pytest.fixture(scope="session")
+def hub(repo: tuple[Path, str]) -> Any:
+    # Page size 50: the 133-entry listing takes 3 pages, so pagination is exercised too.
+    with HubServer(repo[0], page_size=50) as server:
+        yield server
+
+
+@pytest.fixture
+def fresh_hub(hub: HubServer) -> HubServer:
+    hub.reset()
+    return hub
+
+
+def source(repo: tuple[Path, str]) -> Path:
+    return repo[0] / KIMI_REPO / "commits" / repo[1]
+
+
+def run(
+    tmp_path: Path,
+    hub: HubServer | None,
+    *,
+    inventory: Path = LOCAL_INVENTORY,
+    verbosity: int = 0,
+    check: bool = False,
+    wait: bool = True,
+    **extravars: Any,
+) -> Any:
+    storage = tmp_path / "shared"
+    storage.mkdir(exist_ok=True)
+    variables = {
+        "vllm_fleet_model": "kimi-k2.5-nvfp4",
+        "vllm_fleet_storage_root": str(storage),
+        "vllm_fleet_hf_endpoint": hub.endpoint if hub else "http://127.0.0.1:9",
+        "model_download_space_margin_bytes": 0,
+        "model_download_poll_interval": 1,
+        "model_download_chunk_bytes": 64 * 1024,
+        # One toolkit venv for the whole suite, kept across runs like other heavy artifacts.
+        "model_download_venv": str(CACHE / "model-download-tools-venv"),
+        **extravars,
+    }
+    private = tmp_path / f"runner-{time.monotonic_ns()}"
+    private.mkdir()
+    kwargs = {
+        "private_data_dir": str(private),
+        "project_dir": str(ROOT),
+        "playbook": str(PLAYBOOK),
+        "inventory": str(inventory),
+        "extravars": variables,
+        "verbosity": verbosity,
+        "cmdline": "--check --diff" if check else None,
+        "quiet": True,
+        "envvars": {
+            "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"),
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        },
+    }
+    if not wait:
+        return ansible_runner.run_async(**kwargs)
+    return ansible_runner.run(**kwargs)
+
+
+def model_dir(tmp_path: Path) -> Path:
+    return tmp_path / "shared" / "kimi-k2.5-nvfp4"
+
+
+def state_dir(tmp_path: Path) -> Path:
+    return tmp_path / "shared" / ".vllm-fleet" / "kimi-k2.5-nvfp4"
+
+
+def task_hosts(runner: Any, task: str, event: str = "runner_on_ok") -> list[str]:
+    return [
+        ev["event_data"]["host"]
+        for ev in runner.events
+        if ev["event"] == event and ev["event_data"].get("task") == task
+    ]
+
+
+def failure_messages(runner: Any) -> list[str]:
+    return [
+        str(ev["event_data"]["res"].get("msg", ""))
+        for ev in runner.events
+        if ev["event"] == "runner_on_failed"
+    ]
+
+
+def changed_count(runner: Any) -> int:
+    return sum(runner.stats.get("changed", {}).values())
+
+
+def assert_identical(tmp_path: Path, repo: tuple[Path, str]) -> None:
+    src = source(repo)
+    files = sorted(p.relative_to(src).as_posix() for p in src.rglob("*") if p.is_file())
+    got = sorted(
+        p.relative_to(model_dir(tmp_path)).as_posix()
+        for p in model_dir(tmp_path).rglob("*")
+        if p.is_file()
+    )
+    assert got == files  # nothing extra inside the checkpoint (bookkeeping lives beside it)
+    _match, mismatch, errors = filecmp.cmpfiles(src, model_dir(tmp_path), files, shallow=False)
+    assert (mismatch, errors) == ([], [])
+
+
+def test_fresh_download_verifies_and_second_run_fetches_nothing(
+    tmp_path: Path, fresh_hub: HubServer, repo: tuple[Path, str]
+) -> None:
+    token = "hf_" + secrets.token_hex(16)
+    first = run(
+        tmp_path, fresh_hub, verbosity=3, vllm_fleet_hf_token=token, model_download_verify="full"
+    )
+    assert first.status == "successful", failure_messages(first)
+    assert_identical(tmp_path, repo)
+    # The token reached the hub (so the leak check below is not vacuous) ...
+    gets = fresh_hub.requests("GET", "*.safetensors")
+    assert len(gets) == SHARDS and all(r.auth == f"Bearer {token}" for r in gets)
+    # ... and never the runner's output or events, even at -vvv.
+    assert token not in first.stdout.read()
+    assert token not in json.dumps(list(first.events))
+    manifest = json.loads((state_dir(tmp_path) / "manifest.json").read_text())
+    assert manifest["sha"] == repo[1] and manifest["verify"] == "full"
+    assert all("hash" in rec for rec in manifest["files"].values())
+    # Progress was reported while it ran, from the progress file.
+    progress = [
+        ev["event_data"]["res"]["msg"]
+        for ev in first.events
+        if ev["event"] == "runner_on_ok"
+        and ev["event_data"].get("task") == "Show the download progress"
+    ]
+    assert progress and f"{len(manifest['files'])}/{len(manifest['files'])} files" in progress[-1]
+
+    fresh_hub.reset()
+    started = time.monotonic()
+    second = run(tmp_path, fresh_hub, model_download_verify="full")
+    print(f"no-op rerun: {time.monotonic() - started:.1f} s (playbook incl. venv check)")
+    assert second.status == "successful", failure_messages(second)
+    assert changed_count(second) == 0
+    assert fresh_hub.count(file="*") == 0  # no HEAD, no GET of any file
+    assert task_hosts(second, START_TASK, "runner_on_skipped") == ["localhost"]
+    facts = [
+        ev["event_data"]["res"].get("ansible_facts", {})
+        for ev in second.events
+        if ev["event"] == "runner_on_ok"
+    ]
+    assert {"model_download_sha": repo[1]} in facts
+
+
+def test_check_mode_reports_and_writes_nothing(
+    tmp_path: Path, fresh_hub: HubServer, repo: tuple[Path, str]
+) -> None:
+    result = run(tmp_path, fresh_hub, check=True)
+    assert result.status == "successful", failure_messages(result)
+    assert changed_count(result) >= 1
+    assert not model_dir(tmp_path).exists()
+    assert fresh_hub.count("GET", "*") == 0
+
+
+def test_killed_download_resumes_without_refetching_completed_shards(
+    tmp_path: Path, fresh_hub: HubServer, repo: tuple[Path, str]
+) -> None:
+    # ~1 s per shard, 8 in parallel: the run is mid-way after a few seconds.
+    fresh_hub.add_fault(kind="throttle", path="model-*", rate=SHARD_BYTES)
+    thread, runner = run(tmp_path, fresh_hub, wait=False)
+    progress_file = state_dir(tmp_path) / "progress.json"
+    deadline = time.monotonic() + 120
+    progress: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        if progress_file.exists():
+            progress = json.loads(progress_file.read_text())
+            if progress["files_done"] >= 30:
+                break
+        time.sleep(0.2)
+    assert progress.get("files_done", 0) >= 30, progress
+    os.kill(progress["pid"], signal.SIGKILL)  # the download process dies, as on a node crash
+    thread.join(120)
+    assert runner.status == "failed"  # a killed download is never reported ok
+    done_before = {p.name for p in model_dir(tmp_path).glob("model-*.safetensors")}
+    partials = list((state_dir(tmp_path) / "partial").rglob("*.part"))
+    assert 0 < len(done_before) < SHARDS
+    assert any(p.stat().st_size > 0 for p in partials)
+
+    fresh_hub.reset()
+    rerun = run(tmp_path, fresh_hub)
+    assert rerun.status == "successful", failure_messages(rerun)
+    assert_identical(tmp_path, repo)
+    refetched = {r.file for r in fresh_hub.requests("GET", "model-*")}
+    assert refetched.isdisjoint(done_before)  # completed shards were not fetched again
+    assert len(refetched) == SHARDS - len(done_before)
+    ranged = [r for r in fresh_hub.requests("GET", "model-*") if r.range]
+    assert ranged and all(r.status == 206 for r in ranged)  # partial shards resumed by Range
+    assert not (state_dir(tmp_path) / "partial").exists()
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("unreachable", "Cannot reach the hub at http://127.0.0.1:9"),
+        ("unknown repo", "Repository nvidia/No-Such-Model not found"),
+        ("unknown revision", "Revision 'no-such-branch' not found"),
+    ],
+)
+def test_hub_failures_are_clear_and_never_ok(
+    tmp_path: Path, fresh_hub: HubServer, case: str, expected: str
+) -> None:
+    # A non-empty checkpoint dir: huggingface_hub alone returns "success" here when offline.
+    model_dir(tmp_path).mkdir(parents=True)
+    (model_dir(tmp_path) / "config.json").write_text("{}")
+    extra: dict[str, Any] = {}
+    if case == "unknown repo":
+        extra["vllm_fleet_model_repo"] = "nvidia/No-Such-Model"
+    if case == "unknown revision":
+        extra["vllm_fleet_model_revision"] = "no-such-branch"
+    result = run(tmp_path, None if case == "unreachable" else fresh_hub, **extra)
+    assert result.status == "failed"
+    messages = failure_messages(result)
+    assert any(expected in m for m in messages), messages
+    assert fresh_hub.count("GET", "*") == 0
+    assert not (state_dir(tmp_path) / "manifest.json").exists()
+
+
+def test_truncated_or_corrupted_shard_is_detected_and_repaired(
+    tmp_path: Path, fresh_hub: HubServer, repo: tuple[Path, str]
+) -> None:
+    assert run(tmp_path, fresh_hub).status == "successful"
+    truncated = model_dir(tmp_path) / shard_name(5, SHARDS)
+    flipped = model_dir(tmp_path) / shard_name(6, SHARDS)
+    os.truncate(truncated, SHARD_BYTES // 2)
+    # Same size, one byte flipped, mtime put back: huggingface_hub would trust this file.
+    st = flipped.stat()
+    with flipped.open("r+b") as fh:
+        fh.seek(SHARD_BYTES // 3)
+        byte = fh.read(1)
+        fh.seek(SHARD_BYTES // 3)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    os.utime(flipped, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+    fresh_hub.reset()
+    repair = run(tmp_path, fresh_hub)
+    assert repair.status == "successful", failure_messages(repair)
+    assert {r.file for r in fresh_hub.requests("GET") if r.file} == {truncated.name, flipped.name}
+    assert_identical(tmp_path, repo)
+    plan = [
+        ev["event_data"]["res"]
+        for ev in repair.events
+        if ev["event"] == "runner_on_ok" and ev["event_data"].get("task") == "Plan the download"
+    ]
+    assert plan[0]["damaged"] == sorted([truncated.name, flipped.name])
+
+
+def test_storage_too_small_fails_before_downloading(
+    tmp_path: Path, fresh_hub: HubServer, repo: tuple[Path, str]
+) -> None:
+    storage = tmp_path / "shared"
+    storage.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(storage)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        result = run(tmp_path, fresh_hub)
+        assert result.status == "failed"
+        messages = failure_messages(result)
+        need = sum(p.stat().st_size for p in source(repo).rglob("*") if p.is_file())
+        assert any(
+            "Not enough free space" in m and f"need {need} bytes" in m and "free 4194304 bytes" in m
+            for m in messages
+        ), messages
+        assert fresh_hub.count("GET", "*") == 0 and fresh_hub.count("HEAD", "*") == 0
+        assert not model_dir(tmp_path).exists() or not any(model_dir(tmp_path).iterdir())
+    finally:
+        subprocess.run(["umount", str(storage)], check=True)
+
+
+def test_two_nodes_one_storage_domain_download_once(
+    tmp_path: Path, fresh_hub: HubServer, repo: tuple[Path, str]
+) -> None:
+    inventory = tmp_path / "hosts.yml"
+    inventory.write_text(
+        json.dumps(
+            {
+                "gpu-nodes": {
+                    "hosts": {
+                        name: {
+                            "ansible_connection": "local",
+                            "ansible_python_interpreter": "{{ ansible_playbook_python }}",
+                        }
+                        for name in ("node-a", "node-b")
+                    }
+                }
+            }
+        )
+    )
+    result = run(tmp_path, fresh_hub, inventory=inventory)
+    assert result.status == "successful", failure_messages(result)
+    assert task_hosts(result, START_TASK) == ["node-a"]
+    assert task_hosts(result, START_TASK, "runner_on_skipped") == ["node-b"]
+    assert sorted(task_hosts(result, VERIFY_TASK)) == ["node-a", "node-b"]
+    gets = [r.file for r in fresh_hub.requests("GET") if r.file]
+    assert len(gets) == len(set(gets)) == sum(1 for p in source(repo).rglob("*") if p.is_file())
+    assert_identical(tmp_path, repo)
