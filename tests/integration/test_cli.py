@@ -261,6 +261,39 @@ def test_patch_config_changes_then_reruns_clean(local_checkpoint: Path) -> None:
     assert events(second.stdout)[-1]["hosts"]["localhost"]["counts"]["changed"] == 0
 
 
+def test_status_reads_the_release_pointer_and_reports_no_server(tmp_path: Path) -> None:
+    releases = tmp_path / "releases"
+    for release in ("20261129T100000Z", "20261129T110000Z"):
+        (releases / "tiny-kimi" / release).mkdir(parents=True)
+    # The release role's pointer: a relative symlink named current.
+    (releases / "tiny-kimi" / "current").symlink_to("20261129T100000Z")
+    done = vllm_fleet(
+        "status",
+        "-i",
+        str(LOCAL),
+        "--json",
+        "-e",
+        f"vllm_release_root={releases}",
+        # Nothing listens here: the node reports down, not an error.
+        "-e",
+        '{"vllm_service_port": 9}',
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr
+    final = events(done.stdout)[-1]
+    assert final["type"] == "status" and final["ok"]
+    node = final["hosts"]["localhost"]
+    assert node["release"] == "20261129T100000Z"
+    assert node["health"] == "down"
+    assert node["endpoint"] == "http://localhost:9"
+    assert node["vllm_version"] == "" and node["served_model"] == ""
+
+    table = vllm_fleet("status", "-i", str(LOCAL), "-e", f"vllm_release_root={releases}")
+    assert table.returncode == 0
+    heading, row = table.stdout.splitlines()[:2]
+    assert heading.split() == ["HOST", "UNIT", "HEALTH", "MODEL", "RELEASE", "VLLM", "ENDPOINT"]
+    assert row.split()[0] == "localhost" and "20261129T100000Z" in row.split()
+
+
 # ---------------------------------------------------------------- e2e: the demo fleet
 
 
