@@ -1,0 +1,176 @@
+"""Render the vllm_service unit and env file as the role does, check them with systemd-analyze."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from ansible.parsing.dataloader import DataLoader
+from ansible.plugins.loader import filter_loader, init_plugin_loader
+from ansible.template import Templar, trust_as_template
+
+ROOT = Path(__file__).resolve().parents[2]
+ROLE = ROOT / "roles/vllm_service"
+
+
+def _trust(data: Any) -> Any:
+    """Vars files are trusted templates in a play; mark them so here too."""
+    if isinstance(data, str):
+        return trust_as_template(data)
+    if isinstance(data, dict):
+        return {key: _trust(value) for key, value in data.items()}
+    if isinstance(data, list):
+        return [_trust(value) for value in data]
+    return data
+
+
+@pytest.fixture(scope="module")
+def loader() -> DataLoader:
+    init_plugin_loader()
+    filter_loader.add_directory(str(ROLE / "filter_plugins"))
+    return DataLoader()
+
+
+@pytest.fixture
+def venv(tmp_path: Path) -> Path:
+    """A venv-shaped dir whose bin/python exists (systemd-analyze checks ExecStart)."""
+    (tmp_path / "venv/bin").mkdir(parents=True)
+    os.symlink(sys.executable, tmp_path / "venv/bin/python")
+    return tmp_path / "venv"
+
+
+def render(loader: DataLoader, template: str, **overrides: Any) -> str:
+    variables: dict[str, Any] = {}
+    for path in (
+        ROLE / "defaults/main.yml",
+        ROOT / "group_vars/all.yml",
+        ROOT / "playbooks/models/kimi-k2.5-nvfp4.yml",
+        ROLE / "vars/main.yml",
+    ):
+        variables.update(_trust(loader.load_from_file(str(path))))
+    variables.update({"inventory_hostname": "node1", "__vllm_service_limit_nofile": 20000})
+    variables.update(overrides)
+    text = (ROLE / "templates" / template).read_text()
+    return Templar(loader=loader, variables=variables).template(trust_as_template(text))
+
+
+def directive(unit: str, key: str) -> list[str]:
+    return [line.split("=", 1)[1] for line in unit.splitlines() if line.startswith(f"{key}=")]
+
+
+def test_kimi_unit_has_plan_args_env_and_restart_policy(loader: DataLoader, venv: Path) -> None:
+    plan = {
+        "tensor_parallel_size": 8,
+        "pipeline_parallel_size": 1,
+        "health_timeout_s": 2700,
+        "nccl_env": {"NCCL_PROTO": "LL", "NCCL_P2P_LEVEL": "SYS"},
+    }
+    unit = render(
+        loader,
+        "vllm.service.j2",
+        vllm_fleet_plan=plan,
+        vllm_service_venv=str(venv),
+        vllm_service_port=8001,
+    )
+    (exec_start,) = directive(unit, "ExecStart")
+    assert exec_start.startswith(
+        f"{venv}/bin/python -m vllm.entrypoints.openai.api_server --model "
+    )
+    for expected in (
+        "--tensor-parallel-size 8",
+        "--served-model-name kimi-k2.5",
+        "--port 8001",
+        "--tool-call-parser kimi_k2",
+        "--reasoning-parser kimi_k2",
+        "--enable-auto-tool-choice",
+        "--trust-remote-code",
+    ):
+        assert expected in exec_start
+    assert "--kv-cache-dtype" not in exec_start
+    env = directive(unit, "Environment")
+    assert "NCCL_PROTO=LL" in env
+    assert "NCCL_P2P_LEVEL=SYS" in env
+    assert "VLLM_ENGINE_READY_TIMEOUT_S=2700" in env
+    assert "HF_HUB_OFFLINE=1" in env
+    assert directive(unit, "Restart") == ["always"]
+    assert directive(unit, "TimeoutStartSec") == ["2700"]
+    assert directive(unit, "User") == ["vllm"]
+    assert directive(unit, "EnvironmentFile") == ["/etc/vllm-fleet/kimi-k2.5.env"]
+
+
+def test_unit_never_carries_secrets(loader: DataLoader, venv: Path) -> None:
+    unit = render(
+        loader,
+        "vllm.service.j2",
+        vllm_service_venv=str(venv),
+        vllm_fleet_api_key="sk-unit-secret",
+        vllm_fleet_hf_token="hf_unit_secret",
+    )
+    assert "sk-unit-secret" not in unit
+    assert "hf_unit_secret" not in unit
+    env_file = render(
+        loader,
+        "vllm.env.j2",
+        vllm_fleet_api_key="sk-unit-secret",
+        vllm_fleet_hf_token="hf_unit_secret",
+    )
+    assert 'VLLM_API_KEY="sk-unit-secret"' in env_file
+    assert 'HF_TOKEN="hf_unit_secret"' in env_file
+
+
+def test_kv_cache_dtype_and_cpu_bind_only_when_set(loader: DataLoader, venv: Path) -> None:
+    unit = render(
+        loader,
+        "vllm.service.j2",
+        vllm_service_venv=str(venv),
+        vllm_service_kv_cache_dtype="fp8",
+        vllm_service_cpu_bind="1",
+    )
+    assert "--kv-cache-dtype fp8" in directive(unit, "ExecStart")[0]
+    assert "VLLM_CPU_OMP_THREADS_BIND=1" in directive(unit, "Environment")
+
+
+@pytest.mark.skipif(
+    shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed here"
+)
+def test_rendered_unit_passes_systemd_analyze_verify(
+    loader: DataLoader, venv: Path, tmp_path: Path
+) -> None:
+    engine_args = {
+        "enforce-eager": True,
+        "compilation-config": {"level": 0, "note": "a b"},
+        "chat-template": 'it\'s "$HOME" 100% \\',
+    }
+    unit = render(
+        loader,
+        "vllm.service.j2",
+        vllm_service_venv=str(venv),
+        vllm_fleet_engine_args=engine_args,
+        vllm_service_engine_env={"SPACED": "a b", "PCT": "5%"},
+    )
+    path = tmp_path / "vllm-kimi-k2.5.service"
+    path.write_text(unit)
+    result = subprocess.run(
+        ["systemd-analyze", "verify", str(path)], capture_output=True, text=True, check=False
+    )
+    problems = [line for line in result.stderr.splitlines() if "vllm-kimi-k2.5.service" in line]
+    assert result.returncode == 0, result.stderr
+    assert not problems, problems
+
+
+@pytest.mark.skipif(
+    shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed here"
+)
+def test_verify_catches_a_broken_unit(tmp_path: Path) -> None:
+    """The check the role's validate: runs does fail on bad quoting (not a no-op)."""
+    path = tmp_path / "broken.service"
+    path.write_text('[Service]\nExecStart=/bin/true "unbalanced\n')
+    result = subprocess.run(
+        ["systemd-analyze", "verify", str(path)], capture_output=True, check=False
+    )
+    assert result.returncode != 0
