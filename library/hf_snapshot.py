@@ -36,8 +36,10 @@ options:
       - V(plan) reports what a download would do and fails if space is short (read-only).
       - V(download) makes O(local_dir) complete.
       - V(verify) checks this host's view of O(local_dir) against the manifest, offline.
+      - V(wait) waits up to O(wait_s) for a running download job (its C(progress.json))
+        to end and returns its progress; for following an C(async) download.
     type: str
-    choices: [plan, download, verify]
+    choices: [plan, download, verify, wait]
     default: download
   repo_id:
     description: Hub repo, C(org/name).
@@ -109,6 +111,10 @@ options:
         By default the recorded commit is kept, so remote code cannot change under a running fleet.
     type: bool
     default: false
+  wait_s:
+    description: Seconds V(wait) waits for the download job to end.
+    type: int
+    default: 10
   chunk_bytes:
     description: Bytes per read/write; a killed run loses at most this much per file.
     type: int
@@ -210,6 +216,20 @@ rate_bytes_per_s:
   description: Average download rate of this run.
   returned: mode is download
   type: int
+ended:
+  description: Whether the followed download job has ended (done, failed or killed).
+  returned: mode is wait
+  type: bool
+progress:
+  description:
+    - The job's latest progress, from C(progress.json).
+    - Keys files_done, files_total, bytes_done, bytes_total, rate_bytes_per_s, eta_s, state.
+  returned: mode is wait
+  type: dict
+msg:
+  description: The progress as one line.
+  returned: mode is wait
+  type: str
 manifest:
   description: Path of the manifest.
   returned: mode is download
@@ -226,6 +246,7 @@ from ansible.module_utils.hf_download import (
     plan_summary,
     setup_environment,
     verify_local,
+    wait_progress,
 )
 
 
@@ -269,7 +290,7 @@ def main() -> None:
         argument_spec={
             "mode": {
                 "type": "str",
-                "choices": ["plan", "download", "verify"],
+                "choices": ["plan", "download", "verify", "wait"],
                 "default": "download",
             },
             "repo_id": {"type": "str", "required": True},
@@ -288,6 +309,7 @@ def main() -> None:
             "lock_timeout": {"type": "int", "default": 3600},
             "update": {"type": "bool", "default": False},
             "chunk_bytes": {"type": "int", "default": 1 << 20},
+            "wait_s": {"type": "int", "default": 10},
         },
         supports_check_mode=True,
     )
@@ -297,6 +319,8 @@ def main() -> None:
     try:
         if mode == "verify":
             result = verify_local(opts)
+        elif mode == "wait":
+            result = wait_progress(opts, module.params["wait_s"])
         elif mode == "plan" or module.check_mode:
             result = plan_result(opts, module._diff)
         else:

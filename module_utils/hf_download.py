@@ -668,3 +668,44 @@ def verify_local(opts: Options) -> dict[str, Any]:
         "files_total": len(entries),
         "bytes_total": sum(e.size for e in entries),
     }
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def wait_progress(opts: Options, wait_s: float) -> dict[str, Any]:
+    """Wait up to wait_s for the download job to end; return its latest progress.
+
+    ``ended`` is true once progress.json says done/failed or its writer died (killed).
+    """
+    deadline = time.monotonic() + wait_s
+    progress: dict[str, Any] = {}
+    while True:
+        with contextlib.suppress(OSError, ValueError), open(progress_path(opts)) as fh:
+            progress = json.load(fh)
+        state = progress.get("state")
+        dead = state == "running" and not _alive(int(progress.get("pid", 0)))
+        if state in ("done", "failed") or dead or time.monotonic() >= deadline:
+            break
+        time.sleep(0.5)
+    if dead:
+        progress["state"] = "killed"
+    rate = progress.get("rate_bytes_per_s") or 0
+    msg = (
+        f"{progress.get('files_done', '?')}/{progress.get('files_total', '?')} files, "
+        f"{human(progress.get('bytes_done', 0))}/{human(progress.get('bytes_total', 0))}, "
+        f"{human(rate)}/s, ETA {progress.get('eta_s', '?')} s ({progress.get('state', 'starting')})"
+    )
+    return {
+        "changed": False,
+        "ended": progress.get("state") in ("done", "failed", "killed"),
+        "progress": progress,
+        "msg": msg,
+    }
