@@ -6,12 +6,13 @@ HOSTS_TOOLS := $(CURDIR)/tools/hosts
 export CONTAINERS_CONF := $(VLLM_FLEET_CACHE)/containers.conf
 # The node image, tagged by a hash of its recipe.
 export VLLM_FLEET_NODE_IMAGE := $(shell $(HOSTS_TOOLS)/node-image.sh tag)
-# Molecule and every tool it starts must see the same roles, modules and
-# collections as ansible.cfg gives the playbooks.
-export VLLM_FLEET_ROOT := $(CURDIR)
 # One scenario only: make molecule SCENARIO=roles/<role>/molecule/default
 SCENARIO ?=
+# Demo fleet size. inventory/demo lists 2 nodes; for another size use
+# `python -m tests.support.fleet inventory --nodes N` as the inventory.
 VLLM_FLEET_NODES ?= 2
+# What scenarios need built first (e.g. a wheelhouse): MOLECULE_DEPS += target
+MOLECULE_DEPS ?=
 
 .PHONY: hosts molecule fleet-up fleet-down
 
@@ -20,7 +21,9 @@ hosts:
 	$(HOSTS_TOOLS)/containers-conf.sh $(CONTAINERS_CONF)
 	$(HOSTS_TOOLS)/node-image.sh ensure
 
-molecule: hosts collections venv
+# Second expansion: fragments included after this one may add MOLECULE_DEPS.
+.SECONDEXPANSION:
+molecule: hosts collections venv $$(MOLECULE_DEPS)
 	$(BIN)/python $(HOSTS_TOOLS)/molecule_all.py $(SCENARIO)
 
 fleet-up: hosts venv
@@ -30,4 +33,4 @@ fleet-down: venv
 	$(BIN)/python -m tests.support.fleet down
 
 INTEGRATION_DEPS += hosts
-DEMO_DEPS += hosts fleet-up
+DEMO_DEPS += hosts

@@ -67,20 +67,26 @@ def select(scenarios: list[Scenario], wanted: list[str]) -> list[Scenario]:
     return [by_path[w.rstrip("/")] for w in wanted]
 
 
-def molecule_containers() -> set[str]:
-    """Names of containers Molecule created (its create labels them)."""
+RUN_LABEL = "vllm-fleet.molecule-run"
+
+
+def left_behind(run_id: str) -> list[str]:
+    """Containers this run created and did not remove (the shared create labels them).
+
+    Only this run's: other sessions may run Molecule on the same host at once.
+    """
     out = subprocess.run(
-        ["podman", "ps", "-a", "--filter", "label=owner=molecule", "--format", "{{.Names}}"],
+        ["podman", "ps", "-a", "--filter", f"label={RUN_LABEL}={run_id}", "--format", "{{.Names}}"],
         check=True,
         capture_output=True,
         text=True,
     ).stdout
-    return set(out.split())
+    return sorted(out.split())
 
 
-def run(scenario: Scenario) -> tuple[bool, float]:
+def run(scenario: Scenario, run_id: str) -> tuple[bool, float]:
     """Run `molecule test` for one scenario; return (passed, seconds)."""
-    env = dict(os.environ, VLLM_FLEET_MOLECULE_HOST=scenario.host)
+    env = dict(os.environ, VLLM_FLEET_MOLECULE_HOST=scenario.host, VLLM_FLEET_MOLECULE_RUN=run_id)
     print(f"==> molecule test -s {scenario.name}  ({scenario.path})", flush=True)
     start = time.monotonic()
     proc = subprocess.run(
@@ -94,9 +100,9 @@ def main() -> int:
     parser.add_argument("scenarios", nargs="*", help="scenario directories (default: all)")
     args = parser.parse_args()
     scenarios = select(discover(ROOT), args.scenarios)
-    before = molecule_containers()
-    results = [(s, *run(s)) for s in scenarios]
-    leftover = sorted(molecule_containers() - before)
+    run_id = f"{os.getpid()}-{int(time.time())}"
+    results = [(s, *run(s, run_id)) for s in scenarios]
+    leftover = left_behind(run_id)
 
     print("\nMolecule scenarios:")
     for scenario, passed, seconds in results:
