@@ -12,6 +12,7 @@ import filecmp
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -313,30 +314,62 @@ def test_storage_too_small_fails_before_downloading(
         subprocess.run(["umount", str(storage)], check=True)
 
 
-def test_two_nodes_one_storage_domain_download_once(
-    tmp_path: Path, fresh_hub: HubServer, repo: tuple[Path, str]
-) -> None:
-    inventory = tmp_path / "hosts.yml"
-    inventory.write_text(
-        json.dumps(
-            {
-                "gpu-nodes": {
-                    "hosts": {
-                        name: {
-                            "ansible_connection": "local",
-                            "ansible_python_interpreter": "{{ ansible_playbook_python }}",
-                        }
-                        for name in ("node-a", "node-b")
-                    }
-                }
-            }
-        )
+@pytest.fixture(scope="session")
+def wheelhouse() -> Path:
+    """huggingface_hub and its dependencies as wheels, for the nodes' offline venv."""
+    dest = CACHE / "wheels" / "model-download-huggingface_hub-2.4.0"
+    if not (dest / "huggingface_hub-2.4.0-py3-none-any.whl").is_file():
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "-q", "--only-binary=:all:",
+             "--python-version", "3.11", "-d", str(dest), "huggingface_hub==2.4.0"],
+            check=True,
+        )  # fmt: skip
+    return dest
+
+
+@pytest.fixture
+def two_nodes(tmp_path: Path, wheelhouse: Path) -> Any:
+    """Two podman nodes (systemd PID 1, host network) sharing one storage directory."""
+    if shutil.which("podman") is None:
+        pytest.skip("podman is not installed")
+    from tests.support import fleet
+
+    storage = tmp_path / "node-storage"
+    nodes = fleet.up(
+        2,
+        prefix="vf-md-node",
+        storage_dir=storage,
+        fresh=True,
+        extra_volumes=[f"{wheelhouse}:/srv/wheels:ro"],
     )
-    result = run(tmp_path, fresh_hub, inventory=inventory)
+    try:
+        inventory = tmp_path / "fleet.yml"
+        inventory.write_text(json.dumps(nodes.inventory()))
+        yield nodes, inventory
+    finally:
+        fleet.down(nodes.prefix)
+
+
+def test_two_nodes_one_storage_domain_download_once(
+    tmp_path: Path, fresh_hub: HubServer, repo: tuple[Path, str], two_nodes: Any
+) -> None:
+    nodes, inventory = two_nodes
+    result = run(
+        tmp_path,
+        fresh_hub,
+        inventory=inventory,
+        vllm_fleet_storage_root=nodes.storage_path,
+        model_download_venv="/opt/vllm-fleet/venvs/tools",
+        model_download_pip_extra_args="--no-index --find-links /srv/wheels",
+    )
     assert result.status == "successful", failure_messages(result)
-    assert task_hosts(result, START_TASK) == ["node-a"]
-    assert task_hosts(result, START_TASK, "runner_on_skipped") == ["node-b"]
-    assert sorted(task_hosts(result, VERIFY_TASK)) == ["node-a", "node-b"]
+    first, second = nodes.nodes
+    assert task_hosts(result, START_TASK) == [first]
+    assert task_hosts(result, START_TASK, "runner_on_skipped") == [second]
+    assert sorted(task_hosts(result, VERIFY_TASK)) == [first, second]
     gets = [r.file for r in fresh_hub.requests("GET") if r.file]
     assert len(gets) == len(set(gets)) == sum(1 for p in source(repo).rglob("*") if p.is_file())
+    # The host side of the shared storage holds the complete, identical checkpoint.
+    (tmp_path / "shared").rmdir()
+    (tmp_path / "shared").symlink_to(nodes.storage_dir)
     assert_identical(tmp_path, repo)
