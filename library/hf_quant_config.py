@@ -199,7 +199,7 @@ import json
 import os
 import tempfile
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from typing import Any
 
 from ansible.module_utils.basic import AnsibleModule
@@ -441,7 +441,8 @@ def record_patch(module: AnsibleModule, plan: Plan) -> list[str]:
         return []
     os.makedirs(plan.backup_dir, mode=0o755, exist_ok=True)
     entries = plan.manifest["files"]
-    now = datetime.now(UTC).isoformat(timespec="seconds")
+    # timezone.utc, not datetime.UTC (3.11+): nodes may run Python 3.10 (Ubuntu 22.04).
+    now = datetime.now(timezone.utc).isoformat(timespec="seconds")  # noqa: UP017
     created = []
     for cfg in patched:
         if cfg.name in plan.backups:
