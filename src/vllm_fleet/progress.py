@@ -375,10 +375,10 @@ def extract_progress(res: dict[str, Any]) -> list[Progress]:
 def _download_snapshot(res: dict[str, Any]) -> Progress | None:
     """model_download's progress.json (files/bytes done, rate), however the role read it.
 
-    The result itself, ``json`` (uri), ``content`` (slurp, base64) or
-    ``stdout`` (command: cat) may hold it.
+    The result itself, ``progress`` (hf_snapshot mode=wait), ``json`` (uri),
+    ``content`` (slurp, base64) or ``stdout`` (command: cat) may hold it.
     """
-    candidates: list[Any] = [res, res.get("json")]
+    candidates: list[Any] = [res, res.get("progress"), res.get("json")]
     content = res.get("content")
     if isinstance(content, str) and res.get("encoding") == "base64":
         with contextlib.suppress(ValueError, binascii.Error):

@@ -184,6 +184,21 @@ def test_ignored_and_unreachable_statuses() -> None:
             },
             ("download", 7, 119),
         ),
+        # hf_snapshot mode=wait returns it under progress.
+        (
+            {
+                "ended": False,
+                "msg": "40/132 files, 0.2 GB/0.7 GB",
+                "progress": {
+                    "state": "running",
+                    "files_done": 40,
+                    "files_total": 132,
+                    "bytes_done": 2e8,
+                    "bytes_total": 7e8,
+                },
+            },
+            ("download", 40, 132),
+        ),
         # ... or with command: cat.
         (
             {"stdout": json.dumps({"files_done": 1, "files_total": 2, "bytes_total": 9})},
