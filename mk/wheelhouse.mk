@@ -32,3 +32,6 @@ tiny-model: venv
 
 INTEGRATION_DEPS += wheelhouse tiny-model
 DEMO_DEPS += wheelhouse tiny-model
+
+# The vllm_install scenario bind-mounts the wheelhouse into its node.
+molecule: wheelhouse
