@@ -49,6 +49,8 @@ def run(
         "vllm_fleet_storage_root": str(storage),
         "preflight_storage_must_be_mount": False,
         "preflight_nvidia_smi": str(FAKE),
+        # This machine's InfiniBand (if any) must not change the expected NCCL profile.
+        "preflight_infiniband_sysfs": str(tmp_path / "no-infiniband"),
         "vllm_service_port": free_port(),
         **extravars,
     }
