@@ -11,7 +11,7 @@ description:
   - Evaluates the compatibility matrix (roles/preflight/files/compat_matrix.yml, passed as
     I(matrix)) for this host's device, GPUs (the result of M(gpu_facts)), vLLM version and the
     checkpoint's attention family and KV cache quantization, and returns the plan later roles
-    read (C(vllm_fleet_plan)): drop or keep the checkpoint's KV quantization, the attention
+    read (C(vllm_fleet_plan)) - drop or keep the checkpoint's KV quantization, the attention
     backend to expect, the NCCL environment.
   - Checks on the node, without changing anything, whether the deployment fits - parallel size
     vs GPUs, weights per GPU plus a minimum KV cache vs GPU memory (host memory on CPU), driver

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 from pathlib import Path
 from typing import Any
@@ -218,3 +219,15 @@ def test_malformed_config_is_a_problem(storage: Path) -> None:
 )
 def test_bad_input_fails_clearly(storage: Path, over: dict[str, Any], message: str) -> None:
     assert message in fail(args(storage, **over))
+
+
+@pytest.mark.parametrize("name", ["vllm_fleet_plan", "gpu_facts"])
+def test_module_docs_parse(name: str) -> None:
+    module = plan_module if name == "vllm_fleet_plan" else load_module(name)
+    doc = yaml.safe_load(module.DOCUMENTATION)
+    assert doc["module"] == name
+    assert yaml.safe_load(module.RETURN) and yaml.safe_load(module.EXAMPLES)
+    source = (ROOT / "library" / f"{name}.py").read_text()
+    for option in doc["options"]:
+        pattern = rf'"{option}": {{\s*"type"'
+        assert re.search(pattern, source), f"{option} documented but not in argument_spec"
