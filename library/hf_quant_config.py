@@ -206,7 +206,9 @@ from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.hf_quant import (
     CONFIG_FILE,
     KNOWN_FILES,
+    MANIFEST,
     JsonFileError,
+    default_backup_dir,
     find_declarations,
     has_quant_section,
     json_pointer,
@@ -216,8 +218,6 @@ from ansible.module_utils.hf_quant import (
     sha256_bytes,
     without_paths,
 )
-
-MANIFEST = "manifest.json"
 
 
 class PatchError(Exception):
@@ -276,11 +276,6 @@ def read_checkpoint(model_dir: str) -> list[ConfigFile]:
         )
     names = [n for n in KNOWN_FILES if os.path.isfile(os.path.join(model_dir, n))]
     return [read_config_file(model_dir, n) for n in names]
-
-
-def default_backup_dir(model_dir: str) -> str:
-    parent, name = os.path.split(model_dir.rstrip(os.sep))
-    return os.path.join(parent, ".vllm-fleet", name, "pristine")
 
 
 def read_manifest(backup_dir: str) -> dict[str, Any]:

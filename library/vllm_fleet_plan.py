@@ -185,6 +185,7 @@ import socket
 import tempfile
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.hf_quant import read_own_bytes
 from ansible.module_utils.vllm_fleet_compat import (
     GIB,
     MatrixError,
@@ -201,12 +202,12 @@ from ansible.module_utils.vllm_fleet_compat import (
 )
 
 
-def _load_json(path: str) -> dict | None:
+def _load_json(model_dir: str, name: str) -> dict | None:
+    """The checkpoint's own config (pristine copy where our patch rewrote it)."""
+    path = os.path.join(model_dir, name)
     try:
-        with open(path, encoding="utf-8") as handle:
-            doc = json.load(handle)
-    except FileNotFoundError:
-        return None
+        raw = read_own_bytes(model_dir, name)
+        doc = None if raw is None else json.loads(raw)
     except (OSError, ValueError) as exc:
         raise MatrixError(f"cannot read {path}: {exc}") from exc
     return doc if isinstance(doc, dict) else None
@@ -381,8 +382,8 @@ def build_plan(module: AnsibleModule) -> dict:
     gpu = p["gpu"] if p["device"] == "cuda" else {}
     try:
         traits = checkpoint_traits(
-            _load_json(os.path.join(p["model_dir"], "config.json")),
-            _load_json(os.path.join(p["model_dir"], "hf_quant_config.json")),
+            _load_json(p["model_dir"], "config.json"),
+            _load_json(p["model_dir"], "hf_quant_config.json"),
             p["declared_attention"],
             p["declared_kv_cache_quant"],
         )

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -135,6 +136,41 @@ def without_paths(doc: Any, paths: list[tuple[str, ...]]) -> Any:
 
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+# Pristine copies and their manifest live beside the checkpoint, never in it.
+MANIFEST = "manifest.json"
+
+
+def default_backup_dir(model_dir: str) -> str:
+    parent, name = os.path.split(model_dir.rstrip(os.sep))
+    return os.path.join(parent, ".vllm-fleet", name, "pristine")
+
+
+def read_own_bytes(model_dir: str, name: str, backup_dir: str | None = None) -> bytes | None:
+    """The checkpoint's own bytes of one config file, as published.
+
+    Where the file on disk is exactly what our patch wrote, answer with the
+    pristine copy: decisions about the checkpoint (the plan, download
+    verification) must see its own declarations, or they flip-flop between
+    "drop" and "keep" on every run. None when the file does not exist.
+    """
+    try:
+        with open(os.path.join(model_dir, name), "rb") as handle:
+            raw = handle.read()
+    except FileNotFoundError:
+        return None
+    backup_dir = backup_dir or default_backup_dir(model_dir)
+    try:
+        with open(os.path.join(backup_dir, MANIFEST), encoding="utf-8") as handle:
+            entry = (json.load(handle).get("files") or {}).get(name) or {}
+        if entry.get("patched_sha256") != sha256_bytes(raw) or not entry.get("pristine"):
+            return raw
+        with open(os.path.join(backup_dir, entry["pristine"]), "rb") as handle:
+            pristine = handle.read()
+    except (OSError, ValueError, AttributeError):
+        return raw
+    return pristine if sha256_bytes(pristine) == entry.get("sha256") else raw
 
 
 class JsonFileError(ValueError):

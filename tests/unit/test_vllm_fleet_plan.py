@@ -117,6 +117,23 @@ def test_checkpoint_already_patched_is_original(storage: Path) -> None:
     assert plan["checkpoint_kv_cache_quant"] == "none" and plan["kv_cache_quant"] == "original"
 
 
+def test_plan_reads_pristine_configs_after_our_patch(storage: Path) -> None:
+    # Our own patch removed the FP8 declarations: the plan must still see the
+    # checkpoint's own FP8 KV (from the pristine copy), or reruns flip-flop.
+    write_kimi_checkpoint(storage / "kimi")
+    with patch_module_args({"model_dir": str(storage / "kimi")}), pytest.raises(AnsibleExitJson):
+        load_module("hf_quant_config").main()
+    assert "kv_cache_scheme" not in (storage / "kimi" / "config.json").read_text()
+    plan = run(args(storage))["plan"]
+    assert plan["checkpoint_kv_cache_quant"] == "fp8" and plan["kv_cache_quant"] == "absent"
+    # A hand edit after our patch is the file's new truth, not ours to override.
+    config = storage / "kimi" / "config.json"
+    config.write_text(config.read_text().replace("{", "{ ", 1))
+    hf_quant = storage / "kimi" / "hf_quant_config.json"
+    hf_quant.write_text(hf_quant.read_text().replace("{", "{ ", 1))
+    assert run(args(storage))["plan"]["checkpoint_kv_cache_quant"] == "none"
+
+
 def test_every_problem_at_once(storage: Path) -> None:
     with socket.socket() as busy:
         busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
