@@ -252,7 +252,7 @@ def storage_problems(root: str, must_be_mount: bool, checks: dict) -> list[str]:
     if must_be_mount and mount == "/":
         problems.append(
             f"shared storage {root} is on the root filesystem, not a mount "
-            "(mount the shared storage, or set vllm_preflight_storage_must_be_mount: false)"
+            "(mount the shared storage, or set preflight_storage_must_be_mount: false)"
         )
     try:
         fd, probe = tempfile.mkstemp(prefix=".vllm-fleet-preflight-", dir=root)
