@@ -115,6 +115,11 @@ options:
     description: Seconds V(wait) waits for the download job to end.
     type: int
     default: 10
+  job_file:
+    description:
+      - For V(wait), the C(results_file) of the C(async) download task; the job has ended
+        once Ansible wrote its final result there. Without it, C(progress.json) decides.
+    type: path
   chunk_bytes:
     description: Bytes per read/write; a killed run loses at most this much per file.
     type: int
@@ -226,6 +231,10 @@ progress:
     - Keys files_done, files_total, bytes_done, bytes_total, rate_bytes_per_s, eta_s, state.
   returned: mode is wait
   type: dict
+job:
+  description: The download job's final result (as async_status would return it), once ended.
+  returned: mode is wait and the job has ended
+  type: dict
 msg:
   description: The progress as one line.
   returned: mode is wait
@@ -310,6 +319,7 @@ def main() -> None:
             "update": {"type": "bool", "default": False},
             "chunk_bytes": {"type": "int", "default": 1 << 20},
             "wait_s": {"type": "int", "default": 10},
+            "job_file": {"type": "path"},
         },
         supports_check_mode=True,
     )
@@ -320,7 +330,7 @@ def main() -> None:
         if mode == "verify":
             result = verify_local(opts)
         elif mode == "wait":
-            result = wait_progress(opts, module.params["wait_s"])
+            result = wait_progress(opts, module.params["wait_s"], module.params["job_file"])
         elif mode == "plan" or module.check_mode:
             result = plan_result(opts, module._diff)
         else:

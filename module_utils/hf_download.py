@@ -680,19 +680,43 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def wait_progress(opts: Options, wait_s: float) -> dict[str, Any]:
+def job_result(job_file: str) -> dict[str, Any] | None:
+    """The final result in Ansible's async results file, or None while the job runs."""
+    try:
+        with open(job_file) as fh:
+            data = json.load(fh)
+    except (OSError, ValueError):
+        return None  # not written yet
+    return None if data.get("started") and not data.get("finished") else data
+
+
+def read_progress(opts: Options, job_file: str | None) -> dict[str, Any]:
+    """progress.json, unless it is older than the followed job (left by an earlier run)."""
+    try:
+        with open(progress_path(opts)) as fh:
+            progress = json.load(fh)
+        if job_file and progress.get("updated", 0) < os.path.getmtime(job_file) - 1:
+            return {}
+        return progress
+    except (OSError, ValueError):
+        return {}
+
+
+def wait_progress(opts: Options, wait_s: float, job_file: str | None = None) -> dict[str, Any]:
     """Wait up to wait_s for the download job to end; return its latest progress.
 
-    ``ended`` is true once progress.json says done/failed or its writer died (killed).
+    With ``job_file`` (the async task's results_file) the job has ended once Ansible wrote
+    its final result there; without, once progress.json says done/failed or its writer died.
     """
     deadline = time.monotonic() + wait_s
-    progress: dict[str, Any] = {}
+    job = None
     while True:
-        with contextlib.suppress(OSError, ValueError), open(progress_path(opts)) as fh:
-            progress = json.load(fh)
+        progress = read_progress(opts, job_file)
         state = progress.get("state")
         dead = state == "running" and not _alive(int(progress.get("pid", 0)))
-        if state in ("done", "failed") or dead or time.monotonic() >= deadline:
+        job = job_result(job_file) if job_file else None
+        ended = job is not None if job_file else state in ("done", "failed") or dead
+        if ended or time.monotonic() >= deadline:
             break
         time.sleep(0.5)
     if dead:
@@ -701,11 +725,9 @@ def wait_progress(opts: Options, wait_s: float) -> dict[str, Any]:
     msg = (
         f"{progress.get('files_done', '?')}/{progress.get('files_total', '?')} files, "
         f"{human(progress.get('bytes_done', 0))}/{human(progress.get('bytes_total', 0))}, "
-        f"{human(rate)}/s, ETA {progress.get('eta_s', '?')} s ({progress.get('state', 'starting')})"
+        f"{human(rate)}/s, ETA {progress.get('eta_s', '?')} s ({state or 'starting'})"
     )
-    return {
-        "changed": False,
-        "ended": progress.get("state") in ("done", "failed", "killed"),
-        "progress": progress,
-        "msg": msg,
-    }
+    result = {"changed": False, "ended": ended, "progress": progress, "msg": msg}
+    if job is not None:
+        result["job"] = {k: v for k, v in job.items() if k != "invocation"}
+    return result
