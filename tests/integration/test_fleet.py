@@ -6,10 +6,12 @@ own name prefix, so a demo fleet that is up is left alone.
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.support import fleet
 
@@ -58,6 +60,28 @@ def test_ansible_pings_every_node(two_nodes, tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for node in two_nodes.nodes:
         assert f"{node} | SUCCESS" in proc.stdout
+
+
+def test_ansible_reaches_nodes_over_real_ssh(two_nodes, tmp_path):
+    key = fleet.ensure_key_pair(tmp_path / "id_ed25519")
+    public = key.with_name("id_ed25519.pub").read_text()
+    inv = fleet.ssh_inventory(len(two_nodes.nodes), PREFIX, key=key)
+    for node, host in inv["gpu-nodes"]["hosts"].items():
+        fleet.enable_ssh(node, host["ansible_port"], public)
+    inventory = tmp_path / "ssh.yml"
+    inventory.write_text(yaml.safe_dump(inv))
+    proc = subprocess.run(
+        ["ansible", "-i", str(inventory), "gpu-nodes", "-m", "ansible.builtin.command",
+         "-a", "printenv SSH_CONNECTION"],
+        cwd=ROOT, capture_output=True, text=True, check=False,
+        # Host keys are new on every run: keep them out of ~/.ssh/known_hosts.
+        env=dict(os.environ, ANSIBLE_PARAMIKO_RECORD_HOST_KEYS="False"),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for node, host in inv["gpu-nodes"]["hosts"].items():
+        # SSH_CONNECTION: client ip, client port, server ip, server port.
+        assert f"{node} | CHANGED" in proc.stdout
+        assert f"127.0.0.1 {host['ansible_port']}" in proc.stdout
 
 
 def test_limit_disk_fills_one_node_only(two_nodes):

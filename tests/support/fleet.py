@@ -32,6 +32,11 @@ Function API:
 - :func:`up` (nodes, prefix, storage_dir, storage_size, fresh, wipe_storage,
   extra_volumes) -> :class:`Fleet`; :func:`down` (prefix) -> removed names.
 - :func:`exec_in` (node, argv) runs a command in a node.
+- :func:`enable_ssh` (node, port, public_key) starts sshd on the node's own
+  port (``vllm_fleet_node_ssh_port`` in the inventory) with root login by that
+  key only; ``up(ssh_key=path)`` does it on every node, generating the key
+  pair at ``path`` if missing (``--ssh`` on the command line). Then
+  ``ssh_inventory`` reaches the nodes with ``ansible_connection: paramiko``.
 - Fault injection, for the tests that need a broken fleet:
 
   - :func:`limit_disk` (node, path, size) mounts a tmpfs of ``size`` over
@@ -170,6 +175,21 @@ def inventory(
     }
 
 
+def ssh_inventory(nodes: int = DEFAULT_NODES, prefix: str = DEFAULT_PREFIX, *, key: Path) -> dict:
+    """:func:`inventory`, but over real SSH (paramiko) to each node's sshd port."""
+    inv = inventory(nodes, prefix)
+    group = inv["gpu-nodes"]
+    for host in group["hosts"].values():
+        host["ansible_port"] = host["vllm_fleet_node_ssh_port"]
+    group["vars"] = {
+        "ansible_connection": "paramiko",
+        "ansible_host": "127.0.0.1",
+        "ansible_user": "root",
+        "ansible_ssh_private_key_file": str(key),
+    }
+    return inv
+
+
 def inventory_yaml(
     nodes: int = DEFAULT_NODES, prefix: str = DEFAULT_PREFIX, cpus: int | None = None
 ) -> str:
@@ -253,6 +273,7 @@ def up(
     fresh: bool = False,
     wipe_storage: bool = False,
     extra_volumes: Sequence[str] = (),
+    ssh_key: Path | None = None,
 ) -> Fleet:
     """Bring up an N-node fleet and wait until every node has booted.
 
@@ -261,7 +282,8 @@ def up(
     side of the shared storage) defaults to $VLLM_FLEET_CACHE/fleet/<prefix>/
     storage; ``wipe_storage`` empties it, ``storage_size`` makes it a tmpfs of
     that size (a small disk). ``extra_volumes`` are more podman ``--volume``
-    specs for every node (e.g. a read-only wheelhouse).
+    specs for every node (e.g. a read-only wheelhouse). ``ssh_key`` (private
+    key path, generated if missing) enables sshd on each node's own port.
     """
     image = node_image()
     names = node_names(nodes, prefix)
@@ -280,6 +302,10 @@ def up(
             _start(name, image, prefix, storage_dir, volumes)
     for name in names:
         wait_booted(name)
+    if ssh_key:
+        public = ensure_key_pair(ssh_key).with_name(ssh_key.name + ".pub").read_text()
+        for i, name in enumerate(names, start=1):
+            enable_ssh(name, BASE_SSH_PORT + i, public)
     return Fleet(prefix, tuple(names), storage_dir, STORAGE_PATH, image)
 
 
@@ -314,6 +340,30 @@ def down(prefix: str = DEFAULT_PREFIX, *, wipe_storage: bool = False) -> list[st
         if wipe_storage:
             shutil.rmtree(storage_dir, ignore_errors=True)
     return names
+
+
+def ensure_key_pair(path: Path) -> Path:
+    """An ed25519 key pair at path (private) and path.pub; generated if missing."""
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run(
+            ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "vllm-fleet", "-f", str(path)],
+            check=True,
+        )
+    return path
+
+
+def enable_ssh(node: str, port: int, public_key: str) -> None:
+    """Run sshd on `port` in the node (the host network is shared), root by key only."""
+    config = f"Port {port}\nPermitRootLogin prohibit-password\nPasswordAuthentication no\n"
+    script = (
+        "install -d -m 0700 /root/.ssh && "
+        'printf "%s\\n" "$1" > /root/.ssh/authorized_keys && '
+        "chmod 0600 /root/.ssh/authorized_keys && "
+        'printf "%s" "$2" > /etc/ssh/sshd_config.d/00-vllm-fleet.conf && '
+        "systemctl enable --quiet ssh.service && systemctl restart ssh.service"
+    )
+    exec_in(node, ["sh", "-c", script, "enable-ssh", public_key.strip(), config])
 
 
 def _pid(node: str) -> int:
@@ -406,6 +456,9 @@ def _cli(argv: Sequence[str] | None = None) -> int:
     p_up.add_argument("--fresh", action="store_true", help="recreate running nodes")
     p_up.add_argument("--wipe-storage", action="store_true", help="empty the shared storage")
     p_up.add_argument("--storage-size", help="make the shared storage a tmpfs of this size")
+    p_up.add_argument(
+        "--ssh", action="store_true", help="run sshd on each node's port (key in the cache)"
+    )
     p_down = sub.add_parser("down", help="remove every node")
     p_down.add_argument("--wipe-storage", action="store_true")
     sub.add_parser("status", help="list the nodes")
@@ -424,6 +477,7 @@ def _cli(argv: Sequence[str] | None = None) -> int:
                 fresh=args.fresh,
                 wipe_storage=args.wipe_storage,
                 storage_size=args.storage_size,
+                ssh_key=cache_dir() / "fleet" / args.prefix / "id_ed25519" if args.ssh else None,
             )
             print(
                 f"fleet up in {time.monotonic() - start:.1f}s: {', '.join(fleet.nodes)} "
