@@ -43,7 +43,7 @@ check: lint unit
 
 include $(sort $(wildcard mk/*.mk))
 
-integration: venv $(INTEGRATION_DEPS)
+integration: venv collections $(INTEGRATION_DEPS)
 	$(BIN)/pytest -q tests/integration
 
 test: lint unit molecule integration

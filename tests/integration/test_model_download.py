@@ -209,7 +209,12 @@ def test_killed_download_resumes_without_refetching_completed_shards(
     while time.monotonic() < deadline:
         if progress_file.exists():
             progress = json.loads(progress_file.read_text())
-            if progress["files_done"] >= 30:
+            # Kill once shards are done AND one is part-way (bytes on disk),
+            # so the rerun has a partial shard to resume.
+            partial_bytes = any(
+                p.stat().st_size > 0 for p in (state_dir(tmp_path) / "partial").rglob("*.part")
+            )
+            if progress["files_done"] >= 30 and partial_bytes:
                 break
         time.sleep(0.2)
     assert progress.get("files_done", 0) >= 30, progress
