@@ -7,19 +7,22 @@ on real files shaped like nvidia/Kimi-K2.5-NVFP4's, generated per test.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from ansible.module_utils import basic
 from ansible.module_utils.testing import patch_module_args
 
+from tests.support.ansible_module import (  # noqa: F401 (patch_ansible_module: autouse fixture)
+    AnsibleExitJson,
+    AnsibleFailJson,
+    load_module,
+    patch_ansible_module,
+)
 from tests.support.kimi_checkpoint import (
     KV_CACHE_SCHEME,
     dump,
@@ -29,46 +32,10 @@ from tests.support.kimi_checkpoint import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-_SPEC = importlib.util.spec_from_file_location(
-    "hf_quant_config", ROOT / "library" / "hf_quant_config.py"
-)
-assert _SPEC and _SPEC.loader
-hf_quant_config = importlib.util.module_from_spec(_SPEC)
-sys.modules["hf_quant_config"] = hf_quant_config  # dataclasses look the module up
-_SPEC.loader.exec_module(hf_quant_config)
+hf_quant_config = load_module("hf_quant_config")
 
 CONFIG = "config.json"
 SIDECAR = "hf_quant_config.json"
-
-
-class AnsibleExitJson(Exception):
-    """exit_json was called."""
-
-
-class AnsibleFailJson(Exception):
-    """fail_json was called."""
-
-
-def _exit_json(self: basic.AnsibleModule, **kwargs: Any) -> None:
-    kwargs.setdefault("changed", False)
-    kwargs["warnings"] = list(getattr(self, "_test_warnings", []))
-    raise AnsibleExitJson(kwargs)
-
-
-def _fail_json(self: basic.AnsibleModule, msg: str, **kwargs: Any) -> None:
-    kwargs["msg"] = msg
-    raise AnsibleFailJson(kwargs)
-
-
-def _warn(self: basic.AnsibleModule, warning: str) -> None:
-    self._test_warnings = [*getattr(self, "_test_warnings", []), warning]
-
-
-@pytest.fixture(autouse=True)
-def _patch_module(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(basic.AnsibleModule, "exit_json", _exit_json)
-    monkeypatch.setattr(basic.AnsibleModule, "fail_json", _fail_json)
-    monkeypatch.setattr(basic.AnsibleModule, "warn", _warn)
 
 
 def run(args: dict[str, Any], check: bool = False, diff: bool = False) -> dict[str, Any]:
