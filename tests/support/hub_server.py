@@ -32,6 +32,8 @@ import hashlib
 import json
 import os
 import re
+import shutil
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -130,6 +132,47 @@ def sha256_file(path: Path) -> str:
         while chunk := fh.read(CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def commit_files(
+    repo_dir: Path, source: Path, tags: tuple[str, ...] = (), *, move: bool = False
+) -> str:
+    """Record ``source``'s files as the ``main`` revision of ``repo_dir``; return its sha.
+
+    Writes the layout this server serves: ``commits/<sha>/``, ``<sha>.meta.json``
+    (sizes, git blob ids, LFS sha256, so the server need not hash) and ``refs.json``
+    (``main`` and ``tags`` -> sha). The sha derives from the files' blob ids, so the
+    same files give the same sha. ``move`` renames ``source`` into place (replacing
+    an earlier copy); otherwise it is copied there unless that sha already exists.
+    """
+    meta = {
+        f.relative_to(source).as_posix(): FileMeta(
+            size=f.stat().st_size,
+            oid=git_blob_sha1(f),
+            sha256=sha256_file(f) if f.name.endswith(LFS_SUFFIXES) else None,
+        )
+        for f in sorted(p for p in source.rglob("*") if p.is_file())
+    }
+    digest = json.dumps({p: m.oid for p, m in meta.items()}, sort_keys=True).encode()
+    sha = hashlib.sha1(digest, usedforsecurity=False).hexdigest()
+    final = repo_dir / "commits" / sha
+    final.parent.mkdir(parents=True, exist_ok=True)
+    if move:
+        if final.exists():
+            shutil.rmtree(final)
+        source.rename(final)
+    elif not final.is_dir():
+        staging = Path(tempfile.mkdtemp(prefix=f".{sha}.", dir=final.parent))
+        shutil.copytree(source, staging, dirs_exist_ok=True)
+        staging.rename(final)
+    (repo_dir / "commits" / f"{sha}.meta.json").write_text(
+        json.dumps({p: m.__dict__ for p, m in meta.items()})
+    )
+    refs_path = repo_dir / "refs.json"
+    refs = json.loads(refs_path.read_text()) if refs_path.is_file() else {}
+    refs.update({"main": sha, **dict.fromkeys(tags, sha)})
+    refs_path.write_text(json.dumps(refs, indent=2) + "\n")
+    return sha
 
 
 def is_lfs(path: str) -> bool:

@@ -17,7 +17,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from tests.support.hub_server import LFS_SUFFIXES, FileMeta, git_blob_sha1, sha256_file
+from tests.support.hub_server import commit_files
 from tests.support.kimi_checkpoint import write_kimi_configs
 
 KIMI_REPO = "nvidia/Kimi-K2.5-NVFP4"
@@ -105,27 +105,7 @@ def build_repo(
     (staging / "docs").mkdir()
     (staging / "docs" / "deploy_guidance.md").write_text("Serve with vLLM.\n")
 
-    meta = {}
-    for file in sorted(p for p in staging.rglob("*") if p.is_file()):
-        rel = file.relative_to(staging).as_posix()
-        lfs = sha256_file(file) if rel.endswith(LFS_SUFFIXES) else None
-        meta[rel] = FileMeta(size=file.stat().st_size, oid=git_blob_sha1(file), sha256=lfs)
-    sha = hashlib.sha1(
-        json.dumps({p: m.oid for p, m in meta.items()}, sort_keys=True).encode(),
-        usedforsecurity=False,
-    ).hexdigest()
-    final = repo_dir / "commits" / sha
-    if final.exists():
-        shutil.rmtree(final)
-    staging.rename(final)
-    (repo_dir / "commits" / f"{sha}.meta.json").write_text(
-        json.dumps({p: m.__dict__ for p, m in meta.items()})
-    )
-    refs_path = repo_dir / "refs.json"
-    refs = json.loads(refs_path.read_text()) if refs_path.is_file() else {}
-    refs.update({"main": sha, **dict.fromkeys(tags, sha)})
-    refs_path.write_text(json.dumps(refs, indent=2))
-    return sha
+    return commit_files(repo_dir, staging, tags, move=True)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -365,34 +365,9 @@ def publish(
     is derived from the files' git blob ids, so publishing the same files twice
     is a no-op that returns the same sha.
     """
-    from tests.support.hub_server import LFS_SUFFIXES, FileMeta, git_blob_sha1, sha256_file
+    from tests.support.hub_server import commit_files
 
-    model, repo_dir = Path(model), Path(hub_root) / repo
-    files = sorted(p for p in model.rglob("*") if p.is_file())
-    meta = {
-        f.relative_to(model).as_posix(): FileMeta(
-            size=f.stat().st_size,
-            oid=git_blob_sha1(f),
-            sha256=sha256_file(f) if f.name.endswith(LFS_SUFFIXES) else None,
-        )
-        for f in files
-    }
-    digest = json.dumps({p: m.oid for p, m in meta.items()}, sort_keys=True).encode()
-    sha = hashlib.sha1(digest, usedforsecurity=False).hexdigest()
-    final = repo_dir / "commits" / sha
-    if not final.is_dir():
-        final.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{sha}.", dir=final.parent))
-        shutil.copytree(model, staging, dirs_exist_ok=True)
-        staging.rename(final)
-    (repo_dir / "commits" / f"{sha}.meta.json").write_text(
-        json.dumps({p: m.__dict__ for p, m in meta.items()})
-    )
-    refs_path = repo_dir / "refs.json"
-    refs = json.loads(refs_path.read_text()) if refs_path.is_file() else {}
-    refs.update({"main": sha, **dict.fromkeys(tags, sha)})
-    refs_path.write_text(json.dumps(refs, indent=2) + "\n")
-    return sha
+    return commit_files(Path(hub_root) / repo, Path(model), tags)
 
 
 def main(argv: list[str] | None = None) -> int:
