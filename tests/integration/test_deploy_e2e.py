@@ -15,6 +15,7 @@ Needs `make hosts wheelhouse tiny-model` (INTEGRATION_DEPS). Measurements
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import secrets
@@ -22,6 +23,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -54,6 +56,15 @@ MODEL = yaml.safe_load((ROOT / "group_vars/all.yml").read_text())["vllm_fleet_mo
 UNIT = f"vllm-{SERVED}.service"
 UNIT_PATH = f"/etc/systemd/system/{UNIT}"
 ENV_PATH = f"/etc/vllm-fleet/{SERVED}.env"
+# Byte for byte what a release restores: the unit, the 0600 environment file
+# and the checkpoint's two quant configs (on the shared storage).
+RELEASED_FILES = {
+    "unit": UNIT_PATH,
+    "env": ENV_PATH,
+    "config": f"{fleet_mod.STORAGE_PATH}/{MODEL}/config.json",
+    "quant": f"{fleet_mod.STORAGE_PATH}/{MODEL}/hf_quant_config.json",
+}
+RELEASES = f"/var/lib/vllm-fleet/releases/{SERVED}"
 
 
 def _inventory() -> dict[str, Any]:
@@ -68,6 +79,8 @@ FIRST = sorted(NODES)[0]
 PROBE_TASK = f"Poll /health of vllm-{SERVED}"
 API_KEY = f"sk-e2e-{secrets.token_hex(8)}"
 MEASURED: dict[str, Any] = {}
+# Each node's snapshot() once the first deploy recorded release A.
+RELEASE_A: dict[str, dict[str, Any]] = {}
 
 
 class Run:
@@ -166,16 +179,23 @@ def deploy_vars(hub: HubServer, **extravars: Any) -> dict[str, Any]:
     }
 
 
-def deploy(
+def play(
     tmp_path: Path,
     hub: HubServer,
     inventory: Path,
+    playbook: str = "deploy.yml",
     *,
     tags: str | None = None,
     limit: str = "gpu-nodes",
     verbosity: int = 0,
+    answers: dict[str, str] | None = None,
     **extravars: Any,
 ) -> Run:
+    """Run a root playbook (deploy.yml, rollback.yml) on this module's fleet.
+
+    ansible-runner gives ansible-playbook a terminal, so a prompt waits for an
+    answer: ``answers`` maps a prompt regex to the line typed there.
+    """
     variables = deploy_vars(hub, **extravars)
     private = tmp_path / f"runner-{time.monotonic_ns()}"
     private.mkdir()
@@ -183,12 +203,13 @@ def deploy(
     runner = ansible_runner.run(
         private_data_dir=str(private),
         project_dir=str(ROOT),
-        playbook=str(ROOT / "deploy.yml"),
+        playbook=str(ROOT / playbook),
         inventory=str(inventory),
         extravars=variables,
         limit=limit,
         tags=tags,
         verbosity=verbosity,
+        passwords=answers or {},
         quiet=True,
         envvars={
             "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"),
@@ -196,6 +217,10 @@ def deploy(
         },
     )
     return Run(runner, time.monotonic() - start)
+
+
+def deploy(tmp_path: Path, hub: HubServer, inventory: Path, **kwargs: Any) -> Run:
+    return play(tmp_path, hub, inventory, "deploy.yml", **kwargs)
 
 
 def node_sh(node: str, *argv: str) -> str:
@@ -217,7 +242,9 @@ def file_sha(node: str, path: str) -> str:
     return node_sh(node, "sha256sum", path).split()[0]
 
 
-def http(node: str, path: str, body: dict | None = None, key: str | None = API_KEY) -> Any:
+def http(
+    node: str, path: str, body: dict | None = None, key: str | None = API_KEY, timeout: float = 120
+) -> Any:
     """Ask a node's server from the host (nodes share the host's network)."""
     port = NODES[node]["vllm_service_port"]
     request = urllib.request.Request(
@@ -227,7 +254,7 @@ def http(node: str, path: str, body: dict | None = None, key: str | None = API_K
     )
     if key:
         request.add_header("Authorization", f"Bearer {key}")
-    with urllib.request.urlopen(request, timeout=120) as resp:
+    with urllib.request.urlopen(request, timeout=timeout) as resp:
         return resp.status, json.loads(resp.read() or b"null")
 
 
@@ -247,9 +274,79 @@ def serving(node: str) -> None:
     assert completion["usage"]["completion_tokens"] == 4
 
 
-def snapshot(node: str) -> dict[str, str]:
-    """What 'previous state intact' compares: unit and env file bytes."""
-    return {"unit": file_sha(node, UNIT_PATH), "env": file_sha(node, ENV_PATH)}
+def snapshot(node: str) -> dict[str, Any]:
+    """What 'changes nothing' compares: the released files' bytes and the releases."""
+    sums = node_sh(node, "sha256sum", *RELEASED_FILES.values()).split()[::2]
+    listing = node_sh(
+        node, "sh", "-c", f"ls -1 {RELEASES}; echo previous=$(readlink {RELEASES}/previous || true)"
+    )
+    return {
+        **dict(zip(RELEASED_FILES, sums, strict=True)),
+        "releases": listing,
+        "current": node_sh(node, "readlink", f"{RELEASES}/current").strip(),
+    }
+
+
+def health(node: str) -> bool:
+    try:
+        return http(node, "/health", key=None, timeout=2)[0] == 200
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+class HealthProbe(threading.Thread):
+    """Polls every node's /health from the host until stopped (bounded by limit_s)."""
+
+    def __init__(self, interval_s: float = 0.5, limit_s: float = 1800.0) -> None:
+        super().__init__(daemon=True)
+        self.interval_s, self.limit_s = interval_s, limit_s
+        self.samples: list[tuple[float, dict[str, bool]]] = []
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        start = time.monotonic()
+        while not self._done.is_set() and time.monotonic() - start < self.limit_s:
+            self.samples.append((time.monotonic() - start, {n: health(n) for n in NODES}))
+            self._done.wait(self.interval_s)
+
+    def __enter__(self) -> HealthProbe:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self.join(timeout=30)
+
+    def down_window(self, node: str) -> tuple[float, float] | None:
+        """First and last sample time at which the node did not answer."""
+        down = [t for t, up in self.samples if not up[node]]
+        return (down[0], down[-1]) if down else None
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "samples": len(self.samples),
+            "duration_s": round(self.samples[-1][0], 1) if self.samples else 0,
+            "min_nodes_up": min((sum(up.values()) for _, up in self.samples), default=0),
+            "down_samples": {n: sum(not up[n] for _, up in self.samples) for n in NODES},
+            "down_windows_s": {
+                n: [round(t, 1) for t in w] if (w := self.down_window(n)) else None for n in NODES
+            },
+        }
+
+
+def cli(tmp_path: Path, hub: HubServer, inventory: Path, *args: str) -> list[dict[str, Any]]:
+    """Run the vllm-fleet console script with --json; its records, parsed."""
+    variables = tmp_path / f"vars-{time.monotonic_ns()}.json"
+    variables.write_text(json.dumps(deploy_vars(hub)))
+    variables.chmod(0o600)
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "vllm-fleet"), *args, "-i", str(inventory),
+         "-e", f"@{variables}", "--json"],
+        cwd=ROOT, capture_output=True, text=True, timeout=1800, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr
+    assert API_KEY not in done.stdout + done.stderr
+    return [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
 
 
 @pytest.fixture(scope="module")
@@ -290,6 +387,13 @@ def test_full_deploy_serves_on_every_node(deployed: Run, fleet: fleet_mod.Fleet)
         assert API_KEY not in node_sh(node, "cat", UNIT_PATH)
         user = node_sh(node, "ps", "-o", "user=", "-p", state["MainPID"]).strip()
         assert user == "vllm"
+        # Issue 7: the deploy recorded release A, the node's only release.
+        release = snapshot(node)
+        assert release["current"] and "previous=\n" in release["releases"], release
+        RELEASE_A[node] = release
+        stored = node_sh(node, "cat", f"{RELEASES}/current/release.json")
+        assert json.loads(stored)["vllm"]["version"] == "0.32.0"
+        assert API_KEY not in stored
     assert API_KEY not in deployed.stdout
 
 
@@ -325,22 +429,8 @@ def test_cli_deploy_status_and_patch_config_on_the_fleet(
     deployed: Run, hub: HubServer, inventory: Path, tmp_path: Path
 ) -> None:
     """Issue 8: the vllm-fleet CLI (ansible-runner) drives the same fleet."""
-    variables = tmp_path / "vars.json"
-    variables.write_text(json.dumps(deploy_vars(hub)))
-    variables.chmod(0o600)
-
-    def cli(*args: str) -> list[dict[str, Any]]:
-        done = subprocess.run(
-            [str(Path(sys.executable).parent / "vllm-fleet"), *args, "-i", str(inventory),
-             "-e", f"@{variables}", "--json"],
-            cwd=ROOT, capture_output=True, text=True, timeout=1800, check=False,
-        )  # fmt: skip
-        assert done.returncode == 0, done.stdout[-4000:] + done.stderr
-        assert API_KEY not in done.stdout + done.stderr
-        return [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
-
     before = {node: unit_state(node)["MainPID"] for node in NODES}
-    records = cli("deploy", "-l", "gpu-nodes")
+    records = cli(tmp_path, hub, inventory, "deploy", "-l", "gpu-nodes")
     assert records[0]["type"] == "run_start" and sorted(records[0]["hosts"]) == sorted(NODES)
     summary = records[-1]
     assert summary["type"] == "summary" and summary["ok"]
@@ -350,17 +440,31 @@ def test_cli_deploy_status_and_patch_config_on_the_fleet(
         assert str(host["vllm_version"]).startswith("0.32.0"), host
         assert str(NODES[name]["vllm_service_port"]) in host["endpoint"]
 
-    states = cli("status")[-1]["hosts"]
+    states = cli(tmp_path, hub, inventory, "status")[-1]["hosts"]
     for name in NODES:
         assert states[name]["unit"] == "active/running", states[name]
         assert (states[name]["health"], states[name]["served_model"]) == ("ok", SERVED)
+        assert states[name]["release"] == snapshot(name)["current"], states[name]
 
-    patch = cli("patch-config")[-1]
+    patch = cli(tmp_path, hub, inventory, "patch-config")[-1]
     assert all(h["counts"]["changed"] == 0 for h in patch["hosts"].values()), patch
     assert {node: unit_state(node)["MainPID"] for node in NODES} == before
 
 
-def _fails_intact(run: Run, node: str, before: dict[str, str], *expected: str) -> None:
+def test_rollback_without_earlier_release_fails_and_changes_nothing(
+    deployed: Run, hub: HubServer, inventory: Path, tmp_path: Path
+) -> None:
+    before = {node: (snapshot(node), unit_state(node)["MainPID"]) for node in NODES}
+    run = play(tmp_path, hub, inventory, "rollback.yml", rollback_confirm="yes")
+    assert run.rc != 0
+    msgs = run.failed_msgs()
+    assert "No earlier release" in msgs and "Nothing was changed" in msgs, msgs
+    assert run.changed() == {}, run.changed_tasks()
+    assert {node: (snapshot(node), unit_state(node)["MainPID"]) for node in NODES} == before
+
+
+def _fails_intact(run: Run, node: str, before: dict[str, Any], *expected: str) -> None:
+    """Failed, said why, and the node serves release A as before (nothing recorded)."""
     assert run.rc != 0
     msgs = run.failed_msgs()
     for text in expected:
@@ -402,7 +506,13 @@ def test_unknown_argument_is_diagnosed_and_the_previous_unit_restored(
     run = deploy(tmp_path, hub, inventory, tags="service", limit=FIRST, vllm_fleet_engine_args=args)
     MEASURED["unknown_argument_wall_s"] = round(run.wall_s, 1)
     _fails_intact(
-        run, FIRST, before, "unrecognized-argument", "--no-such-flag", "restored and serve again"
+        run,
+        FIRST,
+        before,
+        "unrecognized-argument",
+        "--no-such-flag",
+        # Issue 7's automatic rollback, naming the release it returned to.
+        f"automatic rollback: release {RELEASE_A[FIRST]['current']} was restored and serves again",
     )
 
 
@@ -429,6 +539,82 @@ def test_forced_fp8_kv_cache_is_diagnosed_then_the_patched_deployment_serves(
     assert again.rc == 0, again.failed_msgs()
     assert again.changed() == {}, again.changed_tasks()
     serving(FIRST)
+
+
+def test_rolling_update_keeps_a_node_serving(
+    deployed: Run, hub: HubServer, inventory: Path, tmp_path: Path
+) -> None:
+    """Release B (another max-model-len), one node at a time under a /health probe."""
+    good_b = {**PROFILE["vllm_fleet_engine_args"], "max-model-len": 256}
+    pids = {node: unit_state(node)["MainPID"] for node in NODES}
+    with HealthProbe() as probe:
+        run = deploy(tmp_path, hub, inventory, vllm_fleet_engine_args=good_b)
+    summary = probe.summary()
+    MEASURED["rolling_update"] = {"wall_s": round(run.wall_s, 1), **summary}
+    print(f"\nrolling update probe: {json.dumps(summary)}")
+    assert run.rc == 0, run.failed_msgs() or run.stdout[-3000:]
+    for node in NODES:
+        # Restarted on B while the probe watched, and B recorded after A.
+        assert unit_state(node)["MainPID"] != pids[node]
+        assert probe.down_window(node) is not None, summary
+        after = snapshot(node)
+        assert after["current"] != RELEASE_A[node]["current"]
+        assert f"previous={RELEASE_A[node]['current']}\n" in after["releases"]
+        assert "--max-model-len\n256" in "\n".join(node_sh(node, "cat", UNIT_PATH).split())
+        serving(node)
+    # At every sample at least one node answered, and each node went down only
+    # after the one before it was back.
+    assert summary["min_nodes_up"] >= 1, summary
+    windows = sorted(w for node in NODES if (w := probe.down_window(node)))
+    assert all(a[1] < b[0] for a, b in itertools.pairwise(windows)), summary
+
+
+def test_rollback_yml_brings_release_a_back_byte_identical(
+    deployed: Run, hub: HubServer, inventory: Path, tmp_path: Path
+) -> None:
+    before = {node: snapshot(node) for node in NODES}
+    # The operator answers "no" at the confirmation prompt.
+    unconfirmed = play(
+        tmp_path, hub, inventory, "rollback.yml", answers={r"Type 'yes' to roll back": "no"}
+    )
+    assert unconfirmed.rc != 0
+    assert "Rollback not confirmed" in unconfirmed.failed_msgs()
+    assert {node: snapshot(node) for node in NODES} == before
+    pids = {node: unit_state(node)["MainPID"] for node in NODES}
+    with HealthProbe() as probe:
+        run = play(tmp_path, hub, inventory, "rollback.yml", rollback_confirm="yes")
+    summary = probe.summary()
+    MEASURED["rollback"] = {"wall_s": round(run.wall_s, 1), **summary}
+    assert run.rc == 0, run.failed_msgs() or run.stdout[-3000:]
+    assert summary["min_nodes_up"] >= 1, summary
+    for node in NODES:
+        after = snapshot(node)
+        # Unit, environment and config files byte-identical to A's; A current again.
+        assert {k: after[k] for k in RELEASED_FILES} == {
+            k: RELEASE_A[node][k] for k in RELEASED_FILES
+        }
+        assert after["current"] == RELEASE_A[node]["current"]
+        assert f"previous={before[node]['current']}\n" in after["releases"]
+        assert unit_state(node)["MainPID"] != pids[node]
+        serving(node)
+
+
+def test_cli_rollback_returns_one_node_to_release_b(
+    deployed: Run, hub: HubServer, inventory: Path, tmp_path: Path
+) -> None:
+    """Issue 8: `vllm-fleet rollback` on one node; its summary names the release."""
+    other = [node for node in NODES if node != FIRST]
+    untouched = {node: (snapshot(node), unit_state(node)["MainPID"]) for node in other}
+    release_b = snapshot(FIRST)["releases"].rsplit("previous=", 1)[1].strip()
+    summary = cli(tmp_path, hub, inventory, "rollback", "-l", FIRST, "--yes")[-1]
+    assert summary["type"] == "summary" and summary["ok"], summary
+    host = summary["hosts"][FIRST]
+    assert (host["result"], host["health"], host["release"]) == ("ok", "ok", release_b), host
+    assert set(summary["hosts"]) == {FIRST}
+    assert snapshot(FIRST)["current"] == release_b
+    assert "--max-model-len\n256" in "\n".join(node_sh(FIRST, "cat", UNIT_PATH).split())
+    serving(FIRST)
+    assert {node: (snapshot(node), unit_state(node)["MainPID"]) for node in other} == untouched
 
 
 @pytest.fixture(scope="module", autouse=True)
