@@ -54,3 +54,23 @@ def test_clean_line_keeps_the_last_progress_redraw_without_colours() -> None:
 
 def test_health_status_is_zero_when_nothing_listens() -> None:
     assert probe.health_status("http://127.0.0.1:9", timeout=1) == 0
+
+
+LOAD_LOG = [
+    "Starting to load model /srv/vllm-fleet/models/tiny-kimi...",
+    "Loading safetensors checkpoint shards:   0% Completed | 0/119 [00:00<?, ?it/s]",
+    "Loading safetensors checkpoint shards:  50% Completed | 60/119 [07:30<07:22, 7.5s/it]",
+    "KV cache size: 1,024 tokens",
+]
+
+
+def test_load_progress_reads_the_last_loader_line_behind_later_milestones() -> None:
+    assert probe.load_progress(LOAD_LOG) == {"kind": "load", "done": 60, "total": 119}
+    # The milestone has moved on; the progress still says where the load got.
+    assert probe.latest_milestone(LOAD_LOG, ["KV cache size"]) == "KV cache size: 1,024 tokens"
+
+
+def test_load_progress_is_none_before_the_loader_starts() -> None:
+    assert probe.load_progress(LOAD_LOG[:1]) is None
+    assert probe.load_progress([]) is None
+    assert probe.latest_milestone([], ["x"]) == ""

@@ -140,6 +140,13 @@ milestone:
   returned: always
   type: str
   sample: "Loading safetensors checkpoint shards:  50% Completed | 1/2"
+vllm_fleet_progress:
+  description:
+    - Shards loaded so far, from vLLM's last weight-loader line in the journal since
+      O(since); the C(vllm-fleet) CLI draws its load bar from it (docs/cli.md).
+  returned: once the loader has logged a line
+  type: dict
+  sample: {"kind": "load", "done": 60, "total": 119}
 """
 
 _PROPS = (
@@ -151,6 +158,11 @@ _PROPS = (
     "InactiveExitTimestamp",
 )
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+# vLLM's weight loader (tqdm): "Loading safetensors checkpoint shards:  50% Completed | 1/2".
+_SHARDS = re.compile(
+    r"Loading (?:safetensors |pt )?checkpoint shards:\s*\d+% Completed"
+    r" \|\s*(?P<done>\d+)/(?P<total>\d+)"
+)
 
 
 def unit_props(unit: str) -> dict[str, str]:
@@ -183,18 +195,35 @@ def clean_line(line: str) -> str:
     return parts[-1].strip() if parts else ""
 
 
-def latest_milestone(unit: str, since: int, patterns: list[str]) -> str:
+def journal_lines(unit: str, since: int) -> list[str]:
+    """The unit's last 200 journal lines since ``since``, as a terminal shows them."""
     cmd = ["journalctl", "--no-pager", "-o", "cat", "-u", unit, "-n", "200"]
     if since:
         cmd.append(f"--since=@{since}")
     result = subprocess.run(cmd, capture_output=True, text=True, check=False)
     lines = [clean_line(line) for line in result.stdout.splitlines()]
-    lines = [line for line in lines if line]
+    return [line for line in lines if line]
+
+
+def latest_milestone(lines: list[str], patterns: list[str]) -> str:
     regexes = [re.compile(pattern) for pattern in patterns]
     for line in reversed(lines):
         if any(regex.search(line) for regex in regexes):
             return line
     return lines[-1] if lines else ""
+
+
+def load_progress(lines: list[str]) -> dict | None:
+    """Shards loaded so far, from vLLM's last weight-loader line (the CLI's progress bar).
+
+    Read apart from the milestone: a later line (KV cache, startup) hides the
+    loader's from the milestone, and a small load is over between two polls.
+    """
+    for line in reversed(lines):
+        match = _SHARDS.search(line)
+        if match:
+            return {"kind": "load", "done": int(match["done"]), "total": int(match["total"])}
+    return None
 
 
 def failure_reason(props: dict[str, str], restarts: int | None) -> str:
@@ -237,7 +266,8 @@ def probe(params: dict) -> dict:
         if now >= wait_until:
             break
         time.sleep(min(params["interval_s"], max(wait_until - now, 0.1)))
-    return {
+    lines = journal_lines(unit, since)
+    result = {
         "state": state,
         "healthy": state == "healthy",
         "reason": reason,
@@ -249,8 +279,12 @@ def probe(params: dict) -> dict:
         "since": since,
         "elapsed_s": int(time.time() - since) if since else 0,
         "http_status": status,
-        "milestone": latest_milestone(unit, since, params["milestones"]),
+        "milestone": latest_milestone(lines, params["milestones"]),
     }
+    shards = load_progress(lines)
+    if shards:
+        result["vllm_fleet_progress"] = shards
+    return result
 
 
 def main() -> None:
