@@ -19,13 +19,12 @@ from ansible.module_utils.gpu import (
     parse_topology,
     parse_versions,
 )
-from ansible.module_utils.testing import patch_module_args
 
 from tests.support.ansible_module import (  # noqa: F401 (patch_ansible_module: autouse fixture)
-    AnsibleExitJson,
-    AnsibleFailJson,
+    fail_module,
     load_module,
     patch_ansible_module,
+    run_module,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,9 +38,7 @@ def run(fixture: str | Path | None, monkeypatch: pytest.MonkeyPatch, **args: Any
         monkeypatch.setenv("FAKE_NVIDIA_SMI_FIXTURE", str(fixture))
     args.setdefault("nvidia_smi", str(FAKE))
     args.setdefault("infiniband_sysfs", "/nonexistent/infiniband")
-    with patch_module_args(args), pytest.raises(AnsibleExitJson) as exc:
-        gpu_facts.main()
-    return exc.value.args[0]
+    return run_module(gpu_facts, args)
 
 
 # fixture, count, name, MiB, compute capability, driver, CUDA, interconnect, MIG
@@ -160,9 +157,7 @@ def _copy_fixture(src: str, dest: Path, **overrides: str) -> Path:
 def test_garbage_query_fails_clearly(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     fixture = _copy_fixture("h200-x8", tmp_path / "bad", **{"query.csv": "0, NVIDIA H200, 9.0\n"})
     monkeypatch.setenv("FAKE_NVIDIA_SMI_FIXTURE", str(fixture))
-    with patch_module_args({"nvidia_smi": str(FAKE)}), pytest.raises(AnsibleFailJson) as exc:
-        gpu_facts.main()
-    msg = exc.value.args[0]["msg"]
+    msg = fail_module(gpu_facts, {"nvidia_smi": FAKE})
     assert "cannot parse nvidia-smi output" in msg and "expected 8 fields" in msg
 
 
@@ -172,10 +167,9 @@ def test_other_nvidia_smi_failure_fails(monkeypatch: pytest.MonkeyPatch, tmp_pat
         "#!/bin/sh\necho 'Unable to determine the device handle for GPU0' >&2\nexit 15\n"
     )
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
-    with patch_module_args({"nvidia_smi": str(script)}), pytest.raises(AnsibleFailJson) as exc:
-        gpu_facts.main()
-    assert "rc=15" in exc.value.args[0]["msg"]
-    assert "Unable to determine the device handle" in exc.value.args[0]["msg"]
+    msg = fail_module(gpu_facts, {"nvidia_smi": script})
+    assert "rc=15" in msg
+    assert "Unable to determine the device handle" in msg
 
 
 # ---- the parsers directly, on edge cases

@@ -15,13 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ansible.module_utils.testing import patch_module_args
 
 from tests.support.ansible_module import (  # noqa: F401 (patch_ansible_module: autouse fixture)
-    AnsibleExitJson,
     AnsibleFailJson,
+    fail_module,
     load_module,
     patch_ansible_module,
+    run_module,
 )
 from tests.support.kimi_checkpoint import (
     KV_CACHE_SCHEME,
@@ -40,21 +40,12 @@ SIDECAR = "hf_quant_config.json"
 
 def run(args: dict[str, Any], check: bool = False, diff: bool = False) -> dict[str, Any]:
     """Run the module; return its result (raises AnsibleFailJson on failure)."""
-    args = {k: str(v) if isinstance(v, Path) else v for k, v in args.items()}
-    args["_ansible_check_mode"] = check
-    args["_ansible_diff"] = diff
-    with patch_module_args(args), pytest.raises(AnsibleExitJson) as exc:
-        hf_quant_config.main()
-    return exc.value.args[0]
+    return run_module(hf_quant_config, args, check=check, diff=diff)
 
 
 def fail(args: dict[str, Any], check: bool = False) -> str:
     """Run the module expecting failure; return its message."""
-    args = {k: str(v) if isinstance(v, Path) else v for k, v in args.items()}
-    args["_ansible_check_mode"] = check
-    with patch_module_args(args), pytest.raises(AnsibleFailJson) as exc:
-        hf_quant_config.main()
-    return exc.value.args[0]["msg"]
+    return fail_module(hf_quant_config, args, check=check)
 
 
 def snapshot(*dirs: Path) -> dict[str, str]:

@@ -6,29 +6,19 @@ temporary directory standing in for a node's /etc and /var/lib.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import stat
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from ansible.module_utils.testing import patch_module_args
 
-from tests.support.ansible_module import AnsibleExitJson, AnsibleFailJson, patch_ansible_module
+from tests.support.ansible_module import fail_module, load_module, patch_ansible_module, run_module
 
 __all__ = ["patch_ansible_module"]  # the autouse fixture, re-exported for pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-_SPEC = importlib.util.spec_from_file_location(
-    "vllm_release", ROOT / "roles" / "vllm_release" / "library" / "vllm_release.py"
-)
-assert _SPEC and _SPEC.loader
-vllm_release = importlib.util.module_from_spec(_SPEC)
-sys.modules["vllm_release"] = vllm_release
-_SPEC.loader.exec_module(vllm_release)
+vllm_release = load_module("vllm_release", "roles/vllm_release/library")
 
 UNIT = (
     "[Service]\nExecStart=/opt/venv/bin/python -m vllm.entrypoints.openai.api_server --port 8001\n"
@@ -49,16 +39,11 @@ def node(tmp_path: Path) -> dict[str, Path]:
 
 
 def run(args: dict[str, Any], *, check: bool = False, diff: bool = False) -> dict[str, Any]:
-    args = {**args, "_ansible_check_mode": check, "_ansible_diff": diff}
-    with patch_module_args(args), pytest.raises(AnsibleExitJson) as exc:
-        vllm_release.main()
-    return exc.value.args[0]
+    return run_module(vllm_release, args, check=check, diff=diff)
 
 
 def run_fail(args: dict[str, Any]) -> str:
-    with patch_module_args(args), pytest.raises(AnsibleFailJson) as exc:
-        vllm_release.main()
-    return exc.value.args[0]["msg"]
+    return fail_module(vllm_release, args)
 
 
 def record(node: dict[str, Path], metadata: dict | None = None, **kw: Any) -> dict[str, Any]:

@@ -11,13 +11,12 @@ from typing import Any
 import pytest
 import yaml
 from ansible.module_utils.gpu import build_facts
-from ansible.module_utils.testing import patch_module_args
 
 from tests.support.ansible_module import (  # noqa: F401 (patch_ansible_module: autouse fixture)
-    AnsibleExitJson,
-    AnsibleFailJson,
+    fail_module,
     load_module,
     patch_ansible_module,
+    run_module,
 )
 from tests.support.kimi_checkpoint import write_kimi_checkpoint, write_kimi_configs
 
@@ -67,15 +66,11 @@ def args(storage: Path, **over: Any) -> dict[str, Any]:
 
 
 def run(a: dict[str, Any]) -> dict[str, Any]:
-    with patch_module_args(a), pytest.raises(AnsibleExitJson) as exc:
-        plan_module.main()
-    return exc.value.args[0]
+    return run_module(plan_module, a)
 
 
 def fail(a: dict[str, Any]) -> str:
-    with patch_module_args(a), pytest.raises(AnsibleFailJson) as exc:
-        plan_module.main()
-    return exc.value.args[0]["msg"]
+    return fail_module(plan_module, a)
 
 
 def test_source_deployment_drops_fp8_with_pcie_nccl(storage: Path) -> None:
@@ -121,8 +116,7 @@ def test_plan_reads_pristine_configs_after_our_patch(storage: Path) -> None:
     # Our own patch removed the FP8 declarations: the plan must still see the
     # checkpoint's own FP8 KV (from the pristine copy), or reruns flip-flop.
     write_kimi_checkpoint(storage / "kimi")
-    with patch_module_args({"model_dir": str(storage / "kimi")}), pytest.raises(AnsibleExitJson):
-        load_module("hf_quant_config").main()
+    run_module(load_module("hf_quant_config"), {"model_dir": storage / "kimi"})
     assert "kv_cache_scheme" not in (storage / "kimi" / "config.json").read_text()
     plan = run(args(storage))["plan"]
     assert plan["checkpoint_kv_cache_quant"] == "fp8" and plan["kv_cache_quant"] == "absent"

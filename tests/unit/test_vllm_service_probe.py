@@ -2,15 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
+from tests.support.ansible_module import load_module
 
-ROOT = Path(__file__).resolve().parents[2]
-_SPEC = importlib.util.spec_from_file_location(
-    "vllm_service_probe", ROOT / "roles/vllm_service/library/vllm_service_probe.py"
-)
-probe = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(probe)
+probe = load_module("vllm_service_probe", "roles/vllm_service/library")
 
 
 def props(active: str, sub: str, restarts: int = 0, status: int = 0) -> dict[str, str]:
