@@ -129,12 +129,9 @@ def sample(port: int) -> str:
 
 def deploy_command(extra: dict[str, str], *, cli: bool) -> list[str]:
     """ansible-playbook deploy.yml, or the same through the vllm-fleet CLI."""
-    bin_dir = Path(sys.executable).parent
-    if cli:
-        return [str(bin_dir / "vllm-fleet"), "deploy", "-i", str(INVENTORY.parent),
-                "-l", "gpu-nodes", "-e", json.dumps(extra)]  # fmt: skip
-    return [str(bin_dir / "ansible-playbook"), "deploy.yml", "-i", str(INVENTORY.parent),
-            "-l", "gpu-nodes", "-e", json.dumps(extra)]  # fmt: skip
+    program, command = ("vllm-fleet", "deploy") if cli else ("ansible-playbook", "deploy.yml")
+    return [str(Path(sys.executable).parent / program), command,
+            "-i", str(INVENTORY.parent), "-l", "gpu-nodes", "-e", json.dumps(extra)]  # fmt: skip
 
 
 def main(argv: list[str]) -> int:
