@@ -76,9 +76,11 @@ def _env(setup: dict[str, Path]) -> dict[str, str]:
     return env
 
 
-def playbook(setup: dict[str, Path], secrets: str, *args: str) -> subprocess.CompletedProcess:
+def playbook(
+    setup: dict[str, Path], secrets: str, *args: str, entry: str = "deploy.yml"
+) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [str(BIN / "ansible-playbook"), "-i", str(LOCAL), str(ROOT / "deploy.yml"),
+        [str(BIN / "ansible-playbook"), "-i", str(LOCAL), str(ROOT / entry),
          "-e", f"@{setup['local']}", "-e", f"@{setup[secrets]}", *args],
         cwd=ROOT, env=_env(setup), capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
@@ -89,13 +91,21 @@ def no_secret(output: str) -> None:
     assert leaked == [], f"secrets in the output: {leaked}"
 
 
+@pytest.mark.parametrize("entry", ["deploy.yml", "playbooks/service.yml"])
 @pytest.mark.parametrize("secrets", ["vaulted", "plain"])
 @pytest.mark.parametrize("verbosity", [[], ["-vvv"]])
 def test_bad_role_variable_fails_in_validate_without_secrets(
-    setup: dict[str, Path], secrets: str, verbosity: list[str]
+    setup: dict[str, Path], secrets: str, verbosity: list[str], entry: str
 ) -> None:
     done = playbook(
-        setup, secrets, "--tags", "service", "-e", "vllm_service_restart_sec=ten", *verbosity
+        setup,
+        secrets,
+        "--tags",
+        "service",
+        "-e",
+        "vllm_service_restart_sec=ten",
+        *verbosity,
+        entry=entry,
     )
     output = done.stdout + done.stderr
     assert done.returncode == 2, output[-3000:]
