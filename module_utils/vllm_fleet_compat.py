@@ -3,7 +3,8 @@
 """The compatibility matrix evaluator and the plan's fit checks: decision logic in one place.
 
 The matrix itself is data (roles/preflight/files/compat_matrix.yml), passed in as a dict.
-Pure functions, stdlib only (they run on the nodes inside library/vllm_fleet_plan.py).
+Pure functions, stdlib only (they run on the nodes inside library/vllm_fleet_plan.py);
+packaging parses versions where it is installed, a stdlib key with its ordering elsewhere.
 """
 
 from __future__ import annotations
@@ -13,6 +14,13 @@ from typing import Any
 
 # The same declaration paths library/hf_quant_config.py patches (one reader, not two).
 from ansible.module_utils.hf_quant import CONFIG_FILE, HF_QUANT_FILE, find_declarations
+
+try:
+    from packaging.version import InvalidVersion as _InvalidVersion
+    from packaging.version import Version as _PackagingVersion
+except ImportError:  # Debian nodes: python3 without python3-packaging
+    _PackagingVersion = None
+    _InvalidVersion = ValueError
 
 GIB = 1024**3
 MIB = 1024**2
@@ -30,16 +38,8 @@ MLA_ARCHITECTURES = frozenset(
 )
 ATTENTION_FAMILIES = ("mla", "mha", "unknown")
 KV_QUANTS = ("none", "fp8", "int8", "nvfp4", "unknown")
-
-_VERSION_RE = re.compile(
-    r"^\s*v?(?P<release>\d+(?:\.\d+)*)"
-    r"(?:[.-]?(?P<pre>a|alpha|b|beta|rc|c)[.-]?(?P<pre_n>\d*))?"
-    r"(?:[.-]?post[.-]?(?P<post>\d+))?"
-    r"(?:[.-]?dev[.-]?(?P<dev>\d*))?"
-    r"(?:\+[A-Za-z0-9.]+)?\s*$",
-    re.IGNORECASE,
-)
-_PRE_RANK = {"a": 1, "alpha": 1, "b": 2, "beta": 2, "c": 3, "rc": 3}
+# A drop row's backend: whatever the row for an undeclared KV cache expects.
+AS_UNQUANTIZED = "as-unquantized"
 
 
 class MatrixError(ValueError):
@@ -49,21 +49,59 @@ class MatrixError(ValueError):
 # ---------------------------------------------------------------- versions
 
 
-def parse_version(text: str) -> tuple[int, ...]:
-    """PEP 440-ish sort key: 0.16.0rc2 < 0.16.0 < 0.16.0.post1; dev before pre; +local ignored."""
-    match = _VERSION_RE.match(str(text))
-    if not match:
-        raise MatrixError(f"cannot parse version {text!r} (expected e.g. 0.16.0rc2, 0.18.0)")
-    release = [int(p) for p in match.group("release").split(".")]
-    release = [*release, 0, 0, 0, 0][:4]
-    if match.group("dev") is not None and match.group("pre") is None:
-        phase, number = 0, int(match.group("dev") or 0)
-    elif match.group("pre"):
-        phase, number = _PRE_RANK[match.group("pre").lower()], int(match.group("pre_n") or 0)
+def parse_version(text: str) -> Any:
+    """A PEP 440 version that compares as pip does: 0.18.0.dev1 < 0.18.0rc1 < 0.18.0 <
+    0.18.0+cu130 < 0.18.0.post1. packaging where importable (the controller); else a
+    stdlib key with packaging's ordering (Debian nodes ship python3 without it)."""
+    text = str(text).strip()
+    if _PackagingVersion is not None:
+        try:
+            return _PackagingVersion(text)
+        except _InvalidVersion:
+            pass
     else:
-        phase, number = 4, 0
-    post = int(match.group("post") or 0)
-    return (*release, phase, number, post)
+        key = pep440_key(text)
+        if key is not None:
+            return key
+    raise MatrixError(f"cannot parse version {text!r} (expected PEP 440, e.g. 0.18.0rc1, 0.18.0)")
+
+
+# packaging's VERSION_PATTERN (PEP 440 appendix B), for hosts without packaging.
+_PEP440 = re.compile(
+    r"""^\s*v?(?:(?P<epoch>[0-9]+)!)?(?P<release>[0-9]+(?:\.[0-9]+)*)
+    (?P<pre>[-_.]?(?P<pre_l>alpha|a|beta|b|preview|pre|c|rc)[-_.]?(?P<pre_n>[0-9]+)?)?
+    (?P<post>(?:-(?P<post_n1>[0-9]+))|(?:[-_.]?(?P<post_l>post|rev|r)[-_.]?(?P<post_n2>[0-9]+)?))?
+    (?P<dev>[-_.]?(?P<dev_l>dev)[-_.]?(?P<dev_n>[0-9]+)?)?
+    (?:\+(?P<local>[a-z0-9]+(?:[-_.][a-z0-9]+)*))?\s*$""",
+    re.VERBOSE | re.IGNORECASE,
+)
+_PRE_RANK = {"a": 0, "alpha": 0, "b": 1, "beta": 1, "c": 2, "pre": 2, "preview": 2, "rc": 2}
+_LOW, _HIGH = (-1,), (1,)
+
+
+def pep440_key(text: str) -> tuple | None:
+    """packaging.version.Version's sort key, stdlib only; None when not PEP 440."""
+    m = _PEP440.match(text)
+    if not m:
+        return None
+    release = [int(p) for p in m.group("release").split(".")]
+    while len(release) > 1 and release[-1] == 0:
+        release.pop()
+    pre = (
+        (0, _PRE_RANK[m.group("pre_l").lower()], int(m.group("pre_n") or 0))
+        if m.group("pre")
+        else None
+    )
+    post_n = m.group("post_n1") or m.group("post_n2")
+    post = (0, int(post_n or 0)) if m.group("post") else _LOW
+    dev = (0, int(m.group("dev_n") or 0)) if m.group("dev") else _HIGH
+    if pre is None:
+        pre = _LOW if post == _LOW and dev != _HIGH else _HIGH
+    local: tuple = _LOW
+    if m.group("local"):
+        parts = re.split(r"[-_.]", m.group("local").lower())
+        local = (0, *((1, int(p), "") if p.isdigit() else (0, 0, p) for p in parts))
+    return (int(m.group("epoch") or 0), tuple(release), pre, post, dev, local)
 
 
 def parse_compute_capability(text: str) -> tuple[int, int]:
@@ -289,6 +327,8 @@ def kv_cache_decision(matrix: dict[str, Any], ctx: dict[str, Any]) -> dict[str, 
         }
     decision = row["decision"]
     backend = decision["attention_backend"]
+    if backend == AS_UNQUANTIZED and ctx.get("kv_cache_quant") != "none":
+        backend = kv_cache_decision(matrix, {**ctx, "kv_cache_quant": "none"})["attention_backend"]
     if isinstance(backend, dict):
         backend = backend.get(ctx.get("attention"), backend.get("default", "unknown"))
     return {

@@ -206,7 +206,7 @@ def test_cpu_device_checks_memory_not_gpus(storage: Path) -> None:
                       declared_kv_cache_quant="fp8", checkpoint_bytes=10**15))  # fmt: skip
     plan = result["plan"]
     assert (plan["device"], plan["kv_cache_quant"], plan["gpu_count"]) == ("cpu", "absent", 0)
-    assert plan["compat_rule"] == "cpu-mla-fp8"
+    assert plan["compat_rule"] == "cpu-mla-quantized"
     assert result["problems"][0].startswith("host memory")
     assert not any("GPU" in p or "driver" in p for p in result["problems"])
 
