@@ -119,6 +119,16 @@ options:
         torch_dtype), used while config.json is not downloaded yet.
     type: dict
     default: {}
+  nccl_p2p_disable:
+    description:
+      - Profile switch NCCL_P2P_DISABLE=1 (PCIe boxes whose P2P hangs behind an IOMMU/ACS); unset
+        or empty = the matrix's NCCL profile default. Implies disabling custom all-reduce.
+    type: raw
+  disable_custom_all_reduce:
+    description:
+      - Profile switch for vLLM's C(--disable-custom-all-reduce); unset or empty = the matrix's
+        default (on when P2P is disabled).
+    type: raw
   service_port:
     description: The port vLLM will listen on; must be free or held by I(service_unit).
     type: int
@@ -180,7 +190,10 @@ plan:
     expected_attention_backend:
       description: Backend name(s), alternatives separated by '|'.
       type: str
-    nccl_env: {description: NCCL environment variables for the service, type: dict}
+    nccl_env:
+      description: NCCL environment for the service (NCCL_P2P_LEVEL from the measured topology).
+      type: dict
+    disable_custom_all_reduce: {description: Pass --disable-custom-all-reduce to vLLM, type: bool}
     tensor_parallel_size: {description: Tensor parallel size, type: int}
     pipeline_parallel_size: {description: Pipeline parallel size, type: int}
     health_timeout_s: {description: Health wait, type: int}
@@ -213,6 +226,7 @@ import tempfile
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.hf_quant import read_own_bytes
+from ansible.module_utils.parsing.convert_bool import boolean
 from ansible.module_utils.vllm_fleet_compat import (
     GIB,
     MIB,
@@ -425,6 +439,13 @@ def kv_memory_problems(
     return context_fit_problem(fit, formula, p["gpu_memory_utilization"]) if max_len else []
 
 
+def _switch(value: object) -> bool | None:
+    """A profile switch: unset ('' or None) leaves the matrix's default."""
+    if value in (None, ""):
+        return None
+    return boolean(value, strict=True)
+
+
 def build_plan(module: AnsibleModule) -> dict:
     p = module.params
     errors = validate_matrix(p["matrix"])
@@ -470,7 +491,11 @@ def build_plan(module: AnsibleModule) -> dict:
         tp * pp,
     )
     kv = kv_cache_decision(p["matrix"], ctx)
-    nccl = nccl_decision(p["matrix"], ctx)
+    try:
+        switches = [_switch(p[name]) for name in ("nccl_p2p_disable", "disable_custom_all_reduce")]
+    except TypeError as exc:
+        module.fail_json(msg=f"nccl_p2p_disable / disable_custom_all_reduce: {exc}")
+    nccl = nccl_decision(p["matrix"], ctx, *switches)
     drop = kv["kv_cache"] == "drop" and traits["kv_cache_quant"] not in ("none", "unknown")
     problems.extend(rejections(p["matrix"], ctx))
 
@@ -518,6 +543,7 @@ def build_plan(module: AnsibleModule) -> dict:
         "expected_attention_backend": kv["attention_backend"],
         "nccl_env": nccl["env"],
         "nccl_reason": nccl["reason"],
+        "disable_custom_all_reduce": nccl["disable_custom_all_reduce"],
         "tensor_parallel_size": tp,
         "pipeline_parallel_size": pp,
         "health_timeout_s": p["health_timeout_s"],
@@ -563,6 +589,8 @@ def main() -> None:
             "max_model_len": {"type": "int", "default": 0},
             "kv_cache_dtype": {"type": "str", "default": "auto"},
             "declared_kv_layout": {"type": "dict", "default": {}},
+            "nccl_p2p_disable": {"type": "raw", "default": None},
+            "disable_custom_all_reduce": {"type": "raw", "default": None},
             "service_port": {"type": "int", "default": 8000},
             "service_unit": {"type": "str", "default": ""},
             "host": {"type": "str", "default": ""},

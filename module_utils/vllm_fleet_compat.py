@@ -214,6 +214,7 @@ _MATCH_KEYS = {
     "attention",
     "kv_cache_quant",
     "interconnect",
+    "widest_pcie_path",
     "infiniband",
     "mig",
     "world_size",
@@ -339,12 +340,37 @@ def kv_cache_decision(matrix: dict[str, Any], ctx: dict[str, Any]) -> dict[str, 
     }
 
 
-def nccl_decision(matrix: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any]:
+# nvidia-smi topo -m path -> NCCL_P2P_LEVEL (NCCL has no NODE level: PHB covers it).
+P2P_LEVEL = {"PIX": "PIX", "PXB": "PXB", "PHB": "PHB", "NODE": "PHB", "SYS": "SYS"}
+FROM_TOPOLOGY = "from-topology"
+
+
+def nccl_decision(
+    matrix: dict[str, Any],
+    ctx: dict[str, Any],
+    p2p_disable: bool | None = None,
+    disable_custom_all_reduce: bool | None = None,
+) -> dict[str, Any]:
+    """NCCL environment and the custom all-reduce switch; a switch given wins the row's default."""
     row = first_match(matrix["nccl_profiles"], ctx)
-    if row is None:
-        return {"profile": None, "env": {}, "reason": "no NCCL profile matched: NCCL defaults"}
-    env = {str(k): str(v) for k, v in row["decision"]["env"].items()}
-    return {"profile": row["id"], "env": env, "reason": row["decision"]["reason"].strip()}
+    decision = row["decision"] if row else {"env": {}}
+    env = {str(k): str(v) for k, v in decision["env"].items()}
+    if env.get("NCCL_P2P_LEVEL") == FROM_TOPOLOGY:
+        env["NCCL_P2P_LEVEL"] = P2P_LEVEL.get(str(ctx.get("widest_pcie_path")), "SYS")
+    disable = decision.get("p2p_disable", False) if p2p_disable is None else p2p_disable
+    if disable:
+        # P2P off: a P2P level would be meaningless; vLLM's custom all-reduce needs P2P.
+        env.pop("NCCL_P2P_LEVEL", None)
+        env["NCCL_P2P_DISABLE"] = "1"
+    no_car = bool(decision.get("disable_custom_all_reduce", False) or disable)
+    if disable_custom_all_reduce is not None:
+        no_car = disable_custom_all_reduce
+    return {
+        "profile": row["id"] if row else None,
+        "env": env,
+        "disable_custom_all_reduce": no_car,
+        "reason": decision["reason"].strip() if row else "no NCCL profile matched: NCCL defaults",
+    }
 
 
 def rejections(matrix: dict[str, Any], ctx: dict[str, Any]) -> list[str]:
@@ -452,6 +478,7 @@ def plan_context(
         "attention": attention,
         "kv_cache_quant": kv_quant,
         "interconnect": summary.get("interconnect", "none"),
+        "widest_pcie_path": summary.get("widest_pcie_path"),
         "infiniband": bool(gpu.get("infiniband")),
         "mig": bool(gpu.get("mig_enabled")),
         "world_size": world_size,

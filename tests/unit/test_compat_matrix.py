@@ -475,3 +475,34 @@ def test_kv_bytes_mla_replicated_per_tp_rank() -> None:
 
     kimi = kimi_config()
     assert kv_bytes_per_token(kimi, 2, 8, 1)[0] == kv_bytes_per_token(kimi, 2, 1, 1)[0] == 70272
+
+
+# ---- NCCL: P2P level from the measured topology, profile switches
+
+
+@pytest.mark.parametrize(
+    ("widest", "level"),
+    [("PIX", "PIX"), ("PXB", "PXB"), ("PHB", "PHB"), ("NODE", "PHB"), ("SYS", "SYS")],
+)
+def test_p2p_level_is_the_widest_measured_pcie_path(widest: str, level: str) -> None:
+    facts = gpu(RTX)
+    facts["summary"]["widest_pcie_path"] = widest
+    ctx = plan_context("cuda", facts, "0.18.0", "mla", "fp8", 8)
+    assert nccl_decision(MATRIX, ctx)["env"]["NCCL_P2P_LEVEL"] == level
+
+
+def test_measured_rtx_box_is_sys_as_the_source_deployment_ran() -> None:
+    assert gpu(RTX)["summary"]["widest_pcie_path"] == "SYS"
+
+
+def test_p2p_disable_switch_drops_the_level_and_custom_all_reduce() -> None:
+    ctx = plan_context("cuda", gpu(RTX), "0.18.0", "mla", "fp8", 8)
+    default = nccl_decision(MATRIX, ctx)
+    assert default["disable_custom_all_reduce"] is False
+    off = nccl_decision(MATRIX, ctx, p2p_disable=True)
+    assert off["env"] == {"NCCL_P2P_DISABLE": "1", "NCCL_PROTO": "LL", "NCCL_IB_DISABLE": "1"}
+    assert off["disable_custom_all_reduce"] is True
+    kept = nccl_decision(MATRIX, ctx, p2p_disable=True, disable_custom_all_reduce=False)
+    assert kept["disable_custom_all_reduce"] is False
+    only_car = nccl_decision(MATRIX, ctx, disable_custom_all_reduce=True)
+    assert only_car["env"] == PCIE_ENV and only_car["disable_custom_all_reduce"] is True

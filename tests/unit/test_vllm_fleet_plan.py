@@ -349,3 +349,21 @@ def test_bad_config_for_kv_sizing_is_a_clear_problem(storage: Path) -> None:
         "cannot size the KV cache from the checkpoint config" in p and "num_hidden_layers" in p
         for p in result["problems"]
     )
+
+
+@pytest.mark.parametrize(
+    ("p2p", "car", "want_env_key", "want_car"),
+    [("", "", "NCCL_P2P_LEVEL", False), ("true", "", "NCCL_P2P_DISABLE", True),
+     (True, False, "NCCL_P2P_DISABLE", False), ("", "yes", "NCCL_P2P_LEVEL", True)],
+)  # fmt: skip
+def test_nccl_profile_switches(
+    storage: Path, p2p: object, car: object, want_env_key: str, want_car: bool
+) -> None:
+    write_kimi_checkpoint(storage / "kimi")
+    plan = run(args(storage, nccl_p2p_disable=p2p, disable_custom_all_reduce=car))["plan"]
+    assert want_env_key in plan["nccl_env"]
+    assert plan["disable_custom_all_reduce"] is want_car
+
+
+def test_nccl_switch_garbage_is_refused(storage: Path) -> None:
+    assert "maybe" in fail(args(storage, nccl_p2p_disable="maybe"))
