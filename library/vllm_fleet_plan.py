@@ -500,19 +500,21 @@ def build_plan(module: AnsibleModule) -> dict:
     problems.extend(rejections(p["matrix"], ctx))
 
     if p["device"] == "cuda":
-        problems.extend(
-            gpu_fit_problems(
-                gpu,
-                tp,
-                pp,
-                p["checkpoint_bytes"],
-                p["gpu_memory_utilization"],
-                p["min_kv_cache_bytes"],
-            )
+        fit = gpu_fit_problems(
+            gpu,
+            tp,
+            pp,
+            p["checkpoint_bytes"],
+            p["gpu_memory_utilization"],
+            p["min_kv_cache_bytes"],
         )
-        problems.extend(
-            kv_memory_problems(p, gpu, config, index, traits, "absent" if drop else "kept", checks)
-        )
+        problems.extend(fit)
+        if fit:
+            # The GPUs or the weights do not fit: a context length cannot fix that.
+            checks["kv_memory"] = "skipped: the GPU fit check failed"
+        else:
+            kv_state = "absent" if drop else "kept"
+            problems.extend(kv_memory_problems(p, gpu, config, index, traits, kv_state, checks))
         me = {
             "host": p["host"],
             "group": p["group"],
