@@ -441,19 +441,6 @@ def test_patch_config_rerun_changes_nothing_and_does_not_restart(
         assert after["ExecMainStartTimestamp"] == before[node]["ExecMainStartTimestamp"]
 
 
-def test_bench_tag_reports_tokens_per_s_and_ttft(
-    deployed: Run, hub: HubServer, inventory: Path, tmp_path: Path
-) -> None:
-    run = deploy(tmp_path, hub, inventory, tags="bench", limit=FIRST, vllm_service_bench_prompts=5)
-    assert run.rc == 0, run.failed_msgs() or run.stdout[-3000:]
-    (report,) = task_msgs(run, "Show tokens/s and TTFT")
-    assert re.search(r"bench \(5/5 prompts.*output tokens/s.*TTFT mean [0-9.]+ ms", report), report
-    stored = json.loads(node_sh(FIRST, "cat", f"{RELEASES}/current/bench.json"))
-    assert stored["completed"] == 5 and float(stored["output_tokens_per_s"]) > 0, stored
-    MEASURED["bench_output_tokens_per_s"] = stored["output_tokens_per_s"]
-    assert API_KEY not in run.stdout
-
-
 def test_cli_deploy_status_and_patch_config_on_the_fleet(
     deployed: Run, hub: HubServer, inventory: Path, tmp_path: Path
 ) -> None:
