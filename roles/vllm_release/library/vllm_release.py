@@ -26,8 +26,13 @@ short_description: Record, select and look up releases of a vLLM service on a no
 description:
   - A release is a directory C(<path>/<id>/) holding C(release.json) (what the
     node ran: vLLM venv and version, model path and revision, the checkpoint's
-    quant-config state, a digest) and byte-exact copies of the files that
-    define the service (the systemd unit, the secrets environment file).
+    quant-config state, a digest) and copies of the files that define the
+    service (the systemd unit, the secrets environment file).
+  - No secret is stored: in the copies of the files named in O(redact)
+    (environment files), the value of each variable named in O(secrets) is
+    replaced by a placeholder naming it, C(NAME=@@vllm-fleet-secret:NAME@@).
+    The digest covers that redacted form, so it does not change when only a
+    secret does. Every other copy is byte-exact.
   - One pointer record, C(pointers.json), names two releases, C(current) (what
     the node runs now) and C(previous) (what it ran before); a rollback selects
     C(previous), which makes the two trade places, so a second rollback returns.
@@ -44,8 +49,14 @@ description:
   - O(state=selected) points C(current) at O(release) (an id or C(previous))
     and C(previous) at the old C(current). It does not touch the service:
     restore the files first, then select.
+  - O(state=restored) writes the files of O(release) named in O(restore) back
+    to their places (atomically, with the recorded mode, owned by root),
+    filling each placeholder with the current value from O(secrets) (quoted as
+    role vllm_service quotes it, so an unchanged secret gives the live file
+    byte for byte; an empty value leaves the variable out, as the template
+    does). It does not move the pointers: select afterwards.
   - O(state=query) only reads; it resolves O(release) and returns it.
-  - The release directory is root-only (0700): the environment file holds secrets.
+  - The release directory is root-only (0700).
 version_added: "0.1.0"
 author:
   - vllm-fleet contributors
@@ -60,14 +71,15 @@ options:
     description:
       - V(recorded) records the node's state when it differs from C(current).
       - V(selected) points C(current) at O(release).
+      - V(restored) writes the files of O(release) back to the node.
       - V(query) changes nothing and returns O(release).
     type: str
-    choices: [recorded, selected, query]
+    choices: [recorded, selected, restored, query]
     default: query
   release:
     description:
       - A release id, or V(current) or V(previous) (the pointers).
-      - Used by O(state=selected) and O(state=query).
+      - Used by O(state=selected), O(state=restored) and O(state=query).
     type: str
     default: current
   required:
@@ -80,9 +92,33 @@ options:
     description:
       - With O(state=recorded), role name to absolute path of each file to keep
         a copy of (for example C(unit) and C(env)). Every file must exist.
-        Copies keep the file's mode; the digest covers their bytes.
+        Copies keep the file's mode; the digest covers their bytes (redacted).
     type: dict
     default: {}
+  redact:
+    description:
+      - With O(state=recorded), the role names in O(files) of environment
+        files (C(NAME=value) lines) whose copies leave out the values of the
+        variables named in O(secrets).
+    type: list
+    elements: str
+    default: []
+  secrets:
+    description:
+      - Variable name to its current secret value (for example C(VLLM_API_KEY),
+        C(HF_TOKEN)). With O(state=recorded) the names say what to redact, and
+        the record fails, writing nothing, if a non-empty value is still found
+        in any copy. With O(state=restored) the values fill the placeholders.
+      - Never logged.
+    type: dict
+    default: {}
+  restore:
+    description:
+      - With O(state=restored), the role names of the release's files to write
+        back (for example C(env)); empty means all of them.
+    type: list
+    elements: str
+    default: []
   metadata:
     description:
       - With O(state=recorded), what the node runs besides the files (vLLM
@@ -167,7 +203,8 @@ release:
   description: >-
     Its C(release.json): C(id), C(time), C(digest), C(previous), C(files)
     (role name to C(path), C(stored) name, C(sha256), C(mode)), C(info) and
-    the metadata keys. Empty when nothing was found.
+    the metadata keys; a redacted file also has C(redacted), the variable
+    names left out. Empty when nothing was found.
   returned: always
   type: dict
   sample:
@@ -207,6 +244,12 @@ pruned:
   type: list
   elements: str
   sample: []
+restored:
+  description: With O(state=restored), the role names of the files written (or that would be).
+  returned: when state is restored
+  type: list
+  elements: str
+  sample: [env]
 """
 
 ID_RE = re.compile(r"^[0-9]{8}T[0-9]{9}Z-[0-9a-f]{8}$")
@@ -217,6 +260,9 @@ POINTER_RECORD = "pointers.json"
 # Test hook: the module SIGKILLs itself after the step this names.
 CRASH_HOOK = "VLLM_RELEASE_CRASH_AFTER"
 RESERVED = frozenset({"id", "time", "digest", "files", "info", "previous"})
+# What a stored environment file holds instead of a secret's value.
+PLACEHOLDER = "@@vllm-fleet-secret:{name}@@"
+ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 class ReleaseError(Exception):
@@ -228,17 +274,73 @@ def canonical_json(data: Any) -> str:
     return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
-def sha256_file(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+def envfile_quote(value: str) -> str:
+    """A value as role vllm_service's systemd_envfile_quote writes it (double quotes)."""
+    if "\n" in value or "\r" in value:
+        raise ReleaseError("a secret value cannot span lines in an environment file")
+    escaped = re.sub(r'([\\"$`])', r"\\\1", value)
+    return f'"{escaped}"'
 
 
-def file_records(files: dict[str, str]) -> dict[str, dict[str, str]]:
-    """Per role name: path, stored name, sha256 and mode of each file to keep."""
-    records: dict[str, dict[str, str]] = {}
+def redact_env(content: bytes, names: list[str]) -> tuple[bytes, list[str]]:
+    """The environment file with each named variable's value replaced by its placeholder."""
+    lines = content.decode("utf-8", errors="surrogateescape").split("\n")
+    redacted: list[str] = []
+    for index, line in enumerate(lines):
+        name, sep, _ = line.partition("=")
+        if sep and name in names:
+            lines[index] = f"{name}={PLACEHOLDER.format(name=name)}"
+            redacted.append(name)
+    return "\n".join(lines).encode("utf-8", errors="surrogateescape"), sorted(set(redacted))
+
+
+def fill_env(content: bytes, secrets: dict[str, str], where: str) -> bytes:
+    """A stored environment file with its placeholders filled from the current secrets.
+
+    A variable whose current value is empty is left out, as role
+    vllm_service's template leaves it out.
+    """
+    out: list[str] = []
+    for line in content.decode("utf-8", errors="surrogateescape").split("\n"):
+        name, sep, value = line.partition("=")
+        if not (sep and value == PLACEHOLDER.format(name=name)):
+            out.append(line)
+            continue
+        if name not in secrets:
+            raise ReleaseError(
+                f"{where} needs the secret {name}, which was not passed in secrets: "
+                "pass its current value (vault). Nothing was changed."
+            )
+        if secrets[name]:
+            out.append(f"{name}={envfile_quote(secrets[name])}")
+    return "\n".join(out).encode("utf-8", errors="surrogateescape")
+
+
+def check_no_secret(contents: dict[str, bytes], secrets: dict[str, str]) -> None:
+    """Fail, naming only variables and files, if a secret value is still in a copy."""
+    for role, content in sorted(contents.items()):
+        for name, value in sorted(secrets.items()):
+            if value and value.encode() in content:
+                raise ReleaseError(
+                    f"files.{role} holds the value of {name} where it cannot be redacted "
+                    f"(only a {name}=... line of an environment file in redact can be): "
+                    "a release would store a secret. Nothing was recorded."
+                )
+
+
+def file_records(
+    files: dict[str, str], redact: list[str], secrets: dict[str, str]
+) -> tuple[dict[str, dict[str, Any]], dict[str, bytes]]:
+    """Per role name: path, stored name, sha256 and mode of each file to keep, and
+    the bytes to store (redacted for the roles in redact)."""
+    unknown = sorted(set(redact) - set(files))
+    if unknown:
+        raise ReleaseError(f"redact names {unknown}, which are not in files {sorted(files)}")
+    bad = sorted(name for name in secrets if not ENV_NAME_RE.match(str(name)))
+    if bad:
+        raise ReleaseError(f"secrets: {bad} are not environment variable names")
+    records: dict[str, dict[str, Any]] = {}
+    contents: dict[str, bytes] = {}
     stored_names: set[str] = set()
     for name, path in sorted(files.items()):
         if not os.path.isabs(path):
@@ -249,17 +351,21 @@ def file_records(files: dict[str, str]) -> dict[str, dict[str, str]]:
         if stored in stored_names or stored == RELEASE_JSON:
             raise ReleaseError(f"files.{name}: another file is already stored as {stored}")
         stored_names.add(stored)
-        records[name] = {
-            "path": path,
-            "stored": stored,
-            "sha256": sha256_file(path),
-            "mode": f"{stat.S_IMODE(os.stat(path).st_mode):04o}",
-        }
-    return records
+        with open(path, "rb") as handle:
+            content = handle.read()
+        records[name] = {"path": path, "stored": stored}
+        if name in redact:
+            content, records[name]["redacted"] = redact_env(content, sorted(secrets))
+        contents[name] = content
+        records[name]["sha256"] = hashlib.sha256(content).hexdigest()
+        records[name]["mode"] = f"{stat.S_IMODE(os.stat(path).st_mode):04o}"
+    check_no_secret(contents, secrets)
+    return records, contents
 
 
-def state_digest(records: dict[str, dict[str, str]], metadata: dict[str, Any]) -> str:
-    """Digest of what the node runs: each file's bytes, mode and place, and the metadata."""
+def state_digest(records: dict[str, dict[str, Any]], metadata: dict[str, Any]) -> str:
+    """Digest of what the node runs: each file's (redacted) bytes, mode and place, and
+    the metadata."""
     return hashlib.sha256(
         canonical_json({"files": records, "metadata": metadata}).encode()
     ).hexdigest()
@@ -436,19 +542,24 @@ def pointers_text(current: str, previous: str) -> str:
 
 
 def write_release(
-    root: str, release_id: str, release: dict[str, Any], records: dict[str, dict[str, str]]
+    root: str,
+    release_id: str,
+    release: dict[str, Any],
+    records: dict[str, dict[str, Any]],
+    contents: dict[str, bytes],
 ) -> str:
-    """Copy the files and write release.json in a temporary directory, then rename it."""
+    """Write the copies and release.json in a temporary directory, then rename it."""
     os.makedirs(root, mode=0o700, exist_ok=True)
     os.chmod(root, 0o700)
     tmp = tempfile.mkdtemp(prefix=".tmp-", dir=root)
     try:
-        for record in records.values():
+        for role, record in records.items():
             dest = os.path.join(tmp, record["stored"])
-            shutil.copyfile(record["path"], dest)
+            # Created with the final mode: a 0600 file is never readable by others.
+            fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, int(record["mode"], 8))
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(contents[role])
             os.chmod(dest, int(record["mode"], 8))
-            if sha256_file(dest) != record["sha256"]:
-                raise ReleaseError(f"{record['path']} changed while it was being recorded")
         json_path = os.path.join(tmp, RELEASE_JSON)
         with open(json_path, "w") as handle:
             json.dump(release, handle, indent=2, sort_keys=True)
@@ -490,7 +601,9 @@ def record(params: dict[str, Any], check_mode: bool) -> dict[str, Any]:
         raise ReleaseError(f"metadata may not set the reserved keys {sorted(clash)}")
     if params["keep"] < 1:
         raise ReleaseError(f"keep must be at least 1, not {params['keep']}")
-    records = file_records(params["files"] or {})
+    records, contents = file_records(
+        params["files"] or {}, params["redact"] or [], params["secrets"] or {}
+    )
     digest = state_digest(records, metadata)
     result = base_result(root)
     result["digest"] = digest
@@ -527,7 +640,7 @@ def record(params: dict[str, Any], check_mode: bool) -> dict[str, Any]:
     result["diff"]["after"] = pointers_text(result["current"], result["previous"])
     if check_mode:
         return result
-    write_release(root, release_id, release, records)
+    write_release(root, release_id, release, records, contents)
     _crash_point("release-written")
     write_pointers(root, result["current"], result["previous"])
     remove_releases(root, pruned)
@@ -581,8 +694,72 @@ def select(params: dict[str, Any], check_mode: bool) -> dict[str, Any]:
     return result
 
 
+def _live_matches(path: str, content: bytes, mode: int) -> bool:
+    """Whether the file at path already has these bytes and mode, owned by root."""
+    try:
+        info = os.stat(path)
+        with open(path, "rb") as handle:
+            same = handle.read() == content
+    except FileNotFoundError:
+        return False
+    owned = info.st_uid == 0 and info.st_gid == 0 if os.geteuid() == 0 else True
+    return same and stat.S_IMODE(info.st_mode) == mode and owned
+
+
+def write_atomically(path: str, content: bytes, mode: int) -> None:
+    """Replace path by a file with these bytes and mode (root-owned when run as root)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.tmp-", dir=os.path.dirname(path))
+    try:
+        os.fchmod(fd, mode)
+        if os.geteuid() == 0:
+            os.fchown(fd, 0, 0)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(content)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(os.path.dirname(path))
+
+
+def restore_files(params: dict[str, Any], check_mode: bool) -> dict[str, Any]:
+    """Write a release's files back, placeholders filled from the current secrets."""
+    result = lookup({**params, "required": True})
+    files = result["release"].get("files") or {}
+    wanted = params["restore"] or sorted(files)
+    unknown = sorted(set(wanted) - set(files))
+    if unknown:
+        raise ReleaseError(
+            f"release {result['id']} stores no {unknown} (it stores {sorted(files)}). "
+            "Nothing was changed."
+        )
+    planned: list[tuple[str, str, bytes, int]] = []
+    for role in wanted:
+        record = files[role]
+        with open(os.path.join(result["release_dir"], record["stored"]), "rb") as handle:
+            content = handle.read()
+        if record.get("redacted"):
+            content = fill_env(content, params["secrets"] or {}, f"files.{role} of {result['id']}")
+        mode = int(record["mode"], 8)
+        if not _live_matches(record["path"], content, mode):
+            planned.append((role, record["path"], content, mode))
+    result.update(changed=bool(planned), restored=[role for role, *_ in planned])
+    if not check_mode:
+        for _, path, content, mode in planned:
+            write_atomically(path, content, mode)
+    return result
+
+
 def run(module: AnsibleModule) -> dict[str, Any]:
-    params = module.params
+    params = dict(module.params)
+    # Values as the environment file holds them: text (an empty one: unset).
+    params["secrets"] = {
+        str(name): "" if value is None else str(value)
+        for name, value in (params["secrets"] or {}).items()
+    }
     root = params["path"]
     writes = params["state"] != "query" and not module.check_mode
     if writes and os.path.isfile(os.path.join(root, POINTER_RECORD)):
@@ -592,6 +769,8 @@ def run(module: AnsibleModule) -> dict[str, Any]:
         return record(params, module.check_mode)
     if params["state"] == "selected":
         return select(params, module.check_mode)
+    if params["state"] == "restored":
+        return restore_files(params, module.check_mode)
     return lookup(params)
 
 
@@ -601,7 +780,7 @@ def main() -> None:
             "path": {"type": "path", "required": True},
             "state": {
                 "type": "str",
-                "choices": ["recorded", "selected", "query"],
+                "choices": ["recorded", "selected", "restored", "query"],
                 "default": "query",
             },
             "release": {"type": "str", "default": "current"},
@@ -610,6 +789,9 @@ def main() -> None:
             "metadata": {"type": "dict", "default": {}},
             "info": {"type": "dict", "default": {}},
             "keep": {"type": "int", "default": 5},
+            "redact": {"type": "list", "elements": "str", "default": []},
+            "secrets": {"type": "dict", "default": {}, "no_log": True},
+            "restore": {"type": "list", "elements": "str", "default": []},
         },
         supports_check_mode=True,
     )
