@@ -11,7 +11,7 @@ under an innocent key.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 MASK = "********"
@@ -46,44 +46,38 @@ def secret_values(variables: dict[str, Any]) -> set[str]:
     return found
 
 
+def _leaf_values(variables: Any, keep: Callable[[Any], bool]) -> set[str]:
+    """Scalar values at any depth that *keep* accepts, long enough to mask."""
+    found: set[str] = set()
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+        elif keep(node):
+            text = str(node)
+            if len(text) >= MIN_SECRET_LEN:
+                found.add(text)
+
+    walk(variables)
+    return found
+
+
+def _is_scalar(node: Any) -> bool:
+    return isinstance(node, str | int | float) and not isinstance(node, bool)
+
+
 def all_values(variables: Any) -> set[str]:
     """Every scalar value at any depth (the content of a vault-encrypted file)."""
-    found: set[str] = set()
-
-    def walk(node: Any) -> None:
-        if isinstance(node, dict):
-            for value in node.values():
-                walk(value)
-        elif isinstance(node, list):
-            for value in node:
-                walk(value)
-        elif isinstance(node, str | int | float) and not isinstance(node, bool):
-            text = str(node)
-            if len(text) >= MIN_SECRET_LEN:
-                found.add(text)
-
-    walk(variables)
-    return found
+    return _leaf_values(variables, _is_scalar)
 
 
-def vaulted_values(variables: Any, is_vaulted: Any) -> set[str]:
+def vaulted_values(variables: Any, is_vaulted: Callable[[Any], bool]) -> set[str]:
     """Values that were vault-encrypted (is_vaulted(value)), under any key name."""
-    found: set[str] = set()
-
-    def walk(node: Any) -> None:
-        if isinstance(node, dict):
-            for value in node.values():
-                walk(value)
-        elif isinstance(node, list):
-            for value in node:
-                walk(value)
-        elif is_vaulted(node):
-            text = str(node)
-            if len(text) >= MIN_SECRET_LEN:
-                found.add(text)
-
-    walk(variables)
-    return found
+    return _leaf_values(variables, is_vaulted)
 
 
 class Redactor:
