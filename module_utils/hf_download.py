@@ -568,7 +568,9 @@ class Progress:
         }
 
     def write(self) -> None:
-        write_json_atomic(self.path, self.snapshot())
+        # Advisory: a full disk must not hide the transfer's own error behind this one.
+        with contextlib.suppress(OSError):
+            write_json_atomic(self.path, self.snapshot())
 
     def _loop(self) -> None:
         while not self._stop.wait(1.0):
