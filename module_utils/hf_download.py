@@ -1049,7 +1049,7 @@ def wait_progress(opts: Options, wait_s: float, job_file: str | None = None) -> 
         ended = job is not None if job_file else state in ("done", "failed") or dead
         if ended or time.monotonic() >= deadline:
             break
-        time.sleep(0.5)
+        time.sleep(0.2)
     if dead:
         progress["state"] = "killed"
     rate = progress.get("rate_bytes_per_s") or 0
