@@ -27,6 +27,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import socket
 import stat
@@ -188,8 +189,11 @@ def resolve_and_list(opts: Options, recorded_sha: str | None) -> tuple[str, list
         if type(err).__module__.startswith(("huggingface_hub", "httpx")):
             raise _hub_failure(err, opts) from err
         raise
-    if not sha:
-        raise DownloadError(f"The hub returned no commit sha for {opts.repo_id}@{opts.revision}")
+    if not sha or not re.fullmatch(r"[0-9a-f]{40}", sha):
+        # The sha names a directory of partial files: nothing else may reach the disk.
+        raise DownloadError(
+            f"The hub returned no valid commit sha for {opts.repo_id}@{opts.revision}: {sha!r}"
+        )
     by_path = {f.path: f for f in files}
     selected = filter_repo_objects(
         items=list(by_path),
