@@ -222,7 +222,7 @@ def run_command(
     hosts = list_hosts(request)
     if args.command == "rollback":
         confirm_rollback(args, hosts, stdin or sys.stdin)
-    redactor = Redactor(secrets_in(request.extravars))
+    redactor = Redactor(secrets_in(request.extravars, request.inventory, request.project_dir))
     model = FleetModel(redactor)
     renderer = make_renderer(args, model, stdout)
     header = header_for(args, request, hosts)
