@@ -111,6 +111,14 @@ options:
         (the download that follows hashes them once).
     type: bool
     default: false
+  hub_version:
+    description:
+      - For V(plan), the huggingface_hub version the interpreter must have. When its
+        installed version (read from package metadata, without importing it) differs,
+        the module plans nothing and returns RV(hub_ready=false) with the version found,
+        so one module run both checks the toolkit venv and plans. Empty skips the check.
+    type: str
+    default: ""
   hash_workers:
     description: Files hashed in parallel.
     type: int
@@ -283,6 +291,14 @@ manifest:
   description: Path of the manifest.
   returned: mode is download
   type: str
+hub_ready:
+  description: Whether the interpreter has O(hub_version) (V(true) when not asked).
+  type: bool
+  returned: mode is plan
+hub_version:
+  description: The huggingface_hub version installed on the interpreter, V(null) when none.
+  type: str
+  returned: mode is plan and O(hub_version) is set
 """
 
 from ansible.module_utils.basic import AnsibleModule
@@ -335,6 +351,15 @@ def plan_result(opts: Options, diff: bool) -> dict:
     return result
 
 
+def installed_hub_version() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("huggingface_hub")
+    except PackageNotFoundError:
+        return None
+
+
 def main() -> None:
     module = AnsibleModule(
         argument_spec={
@@ -355,6 +380,7 @@ def main() -> None:
             "verify": {"type": "str", "choices": ["digest", "full"], "default": "digest"},
             "transport": {"type": "str", "choices": ["auto", "http", "xet"], "default": "auto"},
             "quick": {"type": "bool", "default": False},
+            "hub_version": {"type": "str", "default": ""},
             "hash_workers": {"type": "int", "default": 4},
             "space_margin_bytes": {"type": "int", "default": 1 << 30},
             "lock_timeout": {"type": "int", "default": 3600},
@@ -368,6 +394,10 @@ def main() -> None:
     opts = build_options(module.params)
     setup_environment(opts)
     mode = module.params["mode"]
+    wanted = module.params["hub_version"]
+    found = installed_hub_version() if wanted else None
+    if (mode == "plan" or module.check_mode) and wanted and found != wanted:
+        module.exit_json(changed=False, hub_ready=False, hub_version=found)
     try:
         if mode == "verify":
             result = verify_local(opts)
@@ -375,6 +405,9 @@ def main() -> None:
             result = wait_progress(opts, module.params["wait_s"], module.params["job_file"])
         elif mode == "plan" or module.check_mode:
             result = plan_result(opts, module._diff)
+            result["hub_ready"] = True
+            if wanted:
+                result["hub_version"] = found
         else:
             result = download(opts)
     except DownloadError as err:

@@ -8,6 +8,7 @@ import json
 import os
 import socket
 import sys
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,15 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "module_utils"))
 
 import hf_download as hd
+
+from tests.support.ansible_module import (
+    fail_module,
+    load_module,
+    patch_ansible_module,
+    run_module,
+)
+
+__all__ = ["patch_ansible_module"]  # the autouse fixture, re-exported for pytest
 
 
 def opts(tmp_path: Path, **kw: object) -> hd.Options:
@@ -275,3 +285,28 @@ def test_http_transport_alone_disables_xet(tmp_path: Path, monkeypatch) -> None:
     assert "HF_HUB_DISABLE_XET" not in os.environ
     hd.setup_environment(opts(tmp_path, transport="http"))
     assert os.environ["HF_HUB_DISABLE_XET"] == "1"
+
+
+def test_plan_with_another_hub_version_plans_nothing_and_names_the_installed_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The module imports its module_utils as Ansible ships them; here that is hf_download.
+    monkeypatch.setitem(sys.modules, "ansible.module_utils.hf_download", hd)
+    snapshot = load_module("hf_snapshot")
+    installed = version("huggingface_hub")
+    args = {
+        "mode": "plan",
+        "repo_id": "org/model",
+        "local_dir": tmp_path / "model",
+        "state_dir": tmp_path / "state",
+        # Nothing listens here: a plan would fail, the version check must answer first.
+        "endpoint": "http://127.0.0.1:9",
+        "hub_version": f"{installed}.post999",
+    }
+    result = run_module(snapshot, args)
+    assert result["hub_ready"] is False
+    assert result["hub_version"] == installed
+    assert "sha" not in result and not result["changed"]
+    assert not (tmp_path / "state").exists()
+    # Without the check the same arguments do plan, and fail on the unreachable hub.
+    assert "127.0.0.1:9" in fail_module(snapshot, {**args, "hub_version": ""})
