@@ -173,6 +173,31 @@ def read_own_bytes(model_dir: str, name: str, backup_dir: str | None = None) -> 
     return pristine if sha256_bytes(pristine) == entry.get("sha256") else raw
 
 
+# A view marks itself with this file: which checkpoint it mirrors, so that
+# hf_quant_config can restore a view's config from the checkpoint's bytes.
+VIEW_MARKER = ".vllm-fleet-view.json"
+
+
+def read_view_marker(model_dir: str) -> dict[str, Any] | None:
+    """The marker of a view directory, or None when *model_dir* is not a view."""
+    path = os.path.join(model_dir, VIEW_MARKER)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            marker = json.load(handle)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise JsonFileError(f"{path}: unreadable view marker: {exc}") from None
+    if not isinstance(marker, dict) or not isinstance(marker.get("checkpoint"), str):
+        raise JsonFileError(f"{path}: view marker names no checkpoint")
+    return marker
+
+
+def git_blob_sha1(data: bytes) -> str:
+    """The hub's digest (oid) of a file kept in git, not LFS."""
+    return hashlib.sha1(b"blob %d\0" % len(data) + data, usedforsecurity=False).hexdigest()
+
+
 class JsonFileError(ValueError):
     """A config file that cannot be used; the message names the problem."""
 
