@@ -150,10 +150,12 @@ def default_backup_dir(model_dir: str) -> str:
 def read_own_bytes(model_dir: str, name: str, backup_dir: str | None = None) -> bytes | None:
     """The checkpoint's own bytes of one config file, as published.
 
-    Where the file on disk is exactly what our patch wrote, answer with the
-    pristine copy: decisions about the checkpoint (the plan, download
-    verification) must see its own declarations, or they flip-flop between
-    "drop" and "keep" on every run. None when the file does not exist.
+    The checkpoint is never patched any more (views carry the patch), but a
+    site upgraded from the in-place patch of earlier versions still has one
+    on its first run, read by preflight before role quant_config restores it:
+    where the file on disk is exactly what that patch wrote, answer with the
+    pristine copy, so the plan sees the checkpoint's own declarations. On any
+    other checkpoint this is the file's bytes. None when the file does not exist.
     """
     try:
         with open(os.path.join(model_dir, name), "rb") as handle:
