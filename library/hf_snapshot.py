@@ -8,19 +8,27 @@ from __future__ import annotations
 DOCUMENTATION = r"""
 ---
 module: hf_snapshot
-short_description: Download a Hugging Face Hub repo at a pinned commit and prove it complete
+short_description: Download a Hugging Face Hub repo at a pinned commit and prove it byte for byte
 description:
   - Resolves O(revision) (branch, tag or sha) to a commit sha, lists the repo tree at that sha
     and compares it with the files in O(local_dir) and the manifest in O(state_dir).
+  - Validates every name of the listing before anything is written or deleted (relative, no
+    C(..) segment, no absolute path, no backslash or NUL, resolving inside O(local_dir) even
+    through symlinked parents); one bad name fails the run naming it.
   - Before fetching a byte, compares the free space of O(local_dir) with the bytes still
     to fetch plus O(space_margin_bytes) and fails with both numbers when short.
   - Fetches only missing or damaged files with the huggingface_hub library (HEAD + GET per
     file, O(max_workers) in parallel) into C(state_dir/partial/), resuming a partial file
-    from its bytes with an HTTP Range request, then moves each file into place atomically.
-  - Proves completeness (every listed file with its size, every shard of
-    C(model.safetensors.index.json) present), optionally hashes every file against the
-    listing (sha256 for LFS files, git blob sha1 otherwise) and writes a manifest so a rerun
-    decides "complete" from O(files) stat calls.
+    from its bytes with an HTTP Range request. Each file's digest (sha256 for LFS files, git
+    blob sha1 otherwise) is computed from the bytes as they arrive, resumed bytes included,
+    and must equal the listing's before the file is moved into place; a mismatch is dropped
+    and fetched once more, then the run fails naming both digests.
+  - Removes files an earlier download recorded that the commit lacks; refuses (deletes
+    nothing) when the directory holds files no download recorded.
+  - Proves completeness (every listed file with its size and a proved digest, nothing else
+    in the directory, every shard of C(model.safetensors.index.json) listed) and writes a
+    manifest (size, digest, stat stamp per file) so a rerun proves "unchanged" from
+    O(files) stat calls and re-hashes only files whose stamp moved.
   - Writes C(progress.json) in O(state_dir) once a second (files and bytes done, rate), for
     an C(async) task to be polled. Holds an flock on C(state_dir/download.lock) while it
     downloads: the kernel releases it if the process dies, so no lock goes stale.
@@ -81,11 +89,28 @@ options:
     default: 8
   verify:
     description:
-      - V(size) checks existence and sizes (and hashes files whose stat changed since recorded).
-      - V(full) also hashes every file not yet hashed against the listing.
+      - V(digest) trusts a file only with its recorded digest and unchanged stat stamp, and
+        re-hashes every other file against the listing.
+      - V(full) re-hashes every file (download, plan) or every file against the manifest
+        (mode V(verify)), in O(hash_workers) parallel, naming each bad file.
     type: str
-    choices: [size, full]
-    default: size
+    choices: [digest, full]
+    default: digest
+  transport:
+    description:
+      - V(http) plain HTTP with Range resume (sets C(HF_HUB_DISABLE_XET)).
+      - V(xet) huggingface_hub's Xet path for files the hub serves through Xet (fails when
+        hf_xet is not installed); each file is hashed as it lands.
+      - V(auto) Xet where the hub advertises it and hf_xet is installed, else HTTP.
+    type: str
+    choices: [auto, http, xet]
+    default: auto
+  quick:
+    description:
+      - For V(plan), report files whose stamp moved as unproven instead of hashing them
+        (the download that follows hashes them once).
+    type: bool
+    default: false
   hash_workers:
     description: Files hashed in parallel.
     type: int
@@ -94,13 +119,6 @@ options:
     description: Free space to keep beyond the bytes still to fetch.
     type: int
     default: 1073741824
-  patched_files:
-    description:
-      - Files a later step edits in place on purpose (quant config patch); once recorded,
-        their content is not compared with the hub again.
-    type: list
-    elements: str
-    default: []
   lock_timeout:
     description: Seconds to wait for another download of the same directory.
     type: int
@@ -135,7 +153,6 @@ EXAMPLES = r"""
     revision: main
     local_dir: /shared/models/kimi
     state_dir: /shared/models/.vllm-fleet/kimi
-    verify: full
     token: "{{ vllm_fleet_hf_token }}"
   async: 86400
   poll: 0
@@ -186,8 +203,31 @@ missing:
   type: list
   elements: str
 damaged:
-  description: Files present with a wrong size or hash (re-fetched by download).
+  description: Files present with a wrong size or digest (re-fetched by download).
   returned: mode is plan or download
+  type: list
+  elements: str
+unproven:
+  description: Files whose stamp moved, left unhashed by a O(quick) plan.
+  returned: mode is plan or download
+  type: int
+extra:
+  description: Up to 50 recorded files the commit lacks (removed by download).
+  returned: mode is plan or download
+  type: list
+  elements: str
+hashed:
+  description: Files hashed to prove them (stamp moved, no record, or O(verify=full)).
+  returned: mode is plan or download
+  type: int
+removed:
+  description: Files of an earlier commit removed by this run.
+  returned: mode is download
+  type: list
+  elements: str
+transports:
+  description: Transports used for the fetched files (http, xet).
+  returned: mode is download
   type: list
   elements: str
 notes:
@@ -210,8 +250,8 @@ resumed:
   type: list
   elements: str
 verified:
-  description: V(full) when every file's hash matched the listing, else V(size).
-  returned: mode is download
+  description: V(digest) (download; every file's digest proved) or the O(verify) of mode V(verify).
+  returned: mode is download or verify
   type: str
 elapsed_s:
   description: Seconds spent.
@@ -273,10 +313,11 @@ def build_options(params: dict) -> Options:
         verify=params["verify"],
         hash_workers=params["hash_workers"],
         space_margin_bytes=params["space_margin_bytes"],
-        patched_files=params["patched_files"],
         lock_timeout=params["lock_timeout"],
         update=params["update"],
         chunk_bytes=params["chunk_bytes"],
+        transport=params["transport"],
+        quick=params["quick"],
     )
 
 
@@ -311,10 +352,11 @@ def main() -> None:
             "include": {"type": "list", "elements": "str", "default": []},
             "exclude": {"type": "list", "elements": "str", "default": []},
             "max_workers": {"type": "int", "default": 8},
-            "verify": {"type": "str", "choices": ["size", "full"], "default": "size"},
+            "verify": {"type": "str", "choices": ["digest", "full"], "default": "digest"},
+            "transport": {"type": "str", "choices": ["auto", "http", "xet"], "default": "auto"},
+            "quick": {"type": "bool", "default": False},
             "hash_workers": {"type": "int", "default": 4},
             "space_margin_bytes": {"type": "int", "default": 1 << 30},
-            "patched_files": {"type": "list", "elements": "str", "default": []},
             "lock_timeout": {"type": "int", "default": 3600},
             "update": {"type": "bool", "default": False},
             "chunk_bytes": {"type": "int", "default": 1 << 20},

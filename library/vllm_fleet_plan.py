@@ -14,7 +14,8 @@ description:
     read (C(vllm_fleet_plan)) - drop or keep the checkpoint's KV quantization, the attention
     backend to expect, the NCCL environment.
   - Checks on the node, without changing anything, whether the deployment fits - parallel size
-    vs GPUs, weights per GPU plus a minimum KV cache vs GPU memory (host memory on CPU), driver
+    vs GPUs, weights per GPU plus a minimum KV cache vs GPU memory (host memory on CPU), the KV
+    cache of one full I(max_model_len) sequence beside the weights on each GPU, driver
     present, shared storage mounted and writable, free disk for the checkpoint, the service port
     free, GPU model and driver equal across the hosts of one group - and returns every problem.
   - The checkpoint's configs are read from I(model_dir) when they are there (config.json,
@@ -92,6 +93,42 @@ options:
     description: Memory the vLLM server needs besides weights and KV cache (CPU device).
     type: int
     default: 3221225472
+  gpu_overhead_bytes:
+    description:
+      - GPU memory per GPU that is neither weights nor KV cache (activation peak, CUDA graphs,
+        NCCL buffers, the CUDA context), taken out of the I(gpu_memory_utilization) share
+        before the KV cache is sized.
+    type: int
+    default: 4294967296
+  max_model_len:
+    description:
+      - vLLM's C(--max-model-len); 0 = the checkpoint's C(max_position_embeddings), as vLLM does.
+      - One sequence of this length must fit in the KV cache of each GPU (CUDA only).
+    type: int
+    default: 0
+  kv_cache_dtype:
+    description:
+      - vLLM's C(--kv-cache-dtype). C(auto) = the checkpoint's KV quantization when the plan
+        keeps it (fp8, 1 byte), else the model dtype.
+    type: str
+    default: auto
+  declared_kv_layout:
+    description:
+      - The profile's copy of the config.json keys that size the KV cache (num_hidden_layers,
+        kv_lora_rank, qk_rope_head_dim or num_key_value_heads, head_dim; max_position_embeddings,
+        torch_dtype), used while config.json is not downloaded yet.
+    type: dict
+    default: {}
+  nccl_p2p_disable:
+    description:
+      - Profile switch NCCL_P2P_DISABLE=1 (PCIe boxes whose P2P hangs behind an IOMMU/ACS); unset
+        or empty = the matrix's NCCL profile default. Implies disabling custom all-reduce.
+    type: raw
+  disable_custom_all_reduce:
+    description:
+      - Profile switch for vLLM's C(--disable-custom-all-reduce); unset or empty = the matrix's
+        default (on when P2P is disabled).
+    type: raw
   service_port:
     description: The port vLLM will listen on; must be free or held by I(service_unit).
     type: int
@@ -153,7 +190,10 @@ plan:
     expected_attention_backend:
       description: Backend name(s), alternatives separated by '|'.
       type: str
-    nccl_env: {description: NCCL environment variables for the service, type: dict}
+    nccl_env:
+      description: NCCL environment for the service (NCCL_P2P_LEVEL from the measured topology).
+      type: dict
+    disable_custom_all_reduce: {description: Pass --disable-custom-all-reduce to vLLM, type: bool}
     tensor_parallel_size: {description: Tensor parallel size, type: int}
     pipeline_parallel_size: {description: Pipeline parallel size, type: int}
     health_timeout_s: {description: Health wait, type: int}
@@ -186,13 +226,20 @@ import tempfile
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.hf_quant import read_own_bytes
+from ansible.module_utils.parsing.convert_bool import boolean
 from ansible.module_utils.vllm_fleet_compat import (
     GIB,
+    MIB,
     MatrixError,
     checkpoint_traits,
+    context_fit,
+    context_fit_problem,
     cpu_fit_problems,
+    default_max_model_len,
     gpu_fit_problems,
+    kv_bytes_per_token,
     kv_cache_decision,
+    kv_dtype_bytes,
     nccl_decision,
     parse_version,
     peer_problems,
@@ -360,6 +407,45 @@ def cpu_memory_bytes() -> int:
     return total
 
 
+def kv_memory_problems(
+    p: dict, gpu: dict, config: dict | None, index: dict | None, traits: dict, kv: str, checks: dict
+) -> list[str]:
+    """One full max-model-len sequence's KV cache must fit beside the weights on each GPU."""
+    layout = config or p["declared_kv_layout"]
+    memories = [g["memory_mib"] for g in gpu.get("gpus", []) if g.get("memory_mib")]
+    if not layout or not memories:
+        checks["kv_memory"] = "skipped: no config.json on disk and no vllm_fleet_model_kv_layout"
+        return []
+    world = p["tensor_parallel_size"] * p["pipeline_parallel_size"]
+    total = ((index or {}).get("metadata") or {}).get("total_size") or p["checkpoint_bytes"]
+    kept = traits["kv_cache_quant"] if kv == "kept" else "none"
+    try:
+        dtype_bytes = kv_dtype_bytes(p["kv_cache_dtype"], kept, layout)
+        per_token, formula = kv_bytes_per_token(
+            layout, dtype_bytes, p["tensor_parallel_size"], p["pipeline_parallel_size"]
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        return [f"cannot size the KV cache from the checkpoint config: missing or bad {exc}"]
+    max_len = p["max_model_len"] or default_max_model_len(layout)
+    fit = context_fit(
+        min(memories) * MIB,
+        p["gpu_memory_utilization"],
+        int(total) / world,
+        p["gpu_overhead_bytes"],
+        per_token,
+        max_len,
+    )
+    checks["kv_memory"] = {**fit, "formula": formula, "weights_per_gpu_bytes": int(total) // world}
+    return context_fit_problem(fit, formula, p["gpu_memory_utilization"]) if max_len else []
+
+
+def _switch(value: object) -> bool | None:
+    """A profile switch: unset ('' or None) leaves the matrix's default."""
+    if value in (None, ""):
+        return None
+    return boolean(value, strict=True)
+
+
 def build_plan(module: AnsibleModule) -> dict:
     p = module.params
     errors = validate_matrix(p["matrix"])
@@ -380,13 +466,16 @@ def build_plan(module: AnsibleModule) -> dict:
     problems: list[str] = []
     checks: dict = {}
     gpu = p["gpu"] if p["device"] == "cuda" else {}
+    config = index = None
     try:
+        config = _load_json(p["model_dir"], "config.json")
         traits = checkpoint_traits(
-            _load_json(p["model_dir"], "config.json"),
+            config,
             _load_json(p["model_dir"], "hf_quant_config.json"),
             p["declared_attention"],
             p["declared_kv_cache_quant"],
         )
+        index = _load_json(p["model_dir"], "model.safetensors.index.json")
     except MatrixError as exc:
         problems.append(str(exc))
         traits = checkpoint_traits(
@@ -402,21 +491,30 @@ def build_plan(module: AnsibleModule) -> dict:
         tp * pp,
     )
     kv = kv_cache_decision(p["matrix"], ctx)
-    nccl = nccl_decision(p["matrix"], ctx)
+    try:
+        switches = [_switch(p[name]) for name in ("nccl_p2p_disable", "disable_custom_all_reduce")]
+    except TypeError as exc:
+        module.fail_json(msg=f"nccl_p2p_disable / disable_custom_all_reduce: {exc}")
+    nccl = nccl_decision(p["matrix"], ctx, *switches)
     drop = kv["kv_cache"] == "drop" and traits["kv_cache_quant"] not in ("none", "unknown")
     problems.extend(rejections(p["matrix"], ctx))
 
     if p["device"] == "cuda":
-        problems.extend(
-            gpu_fit_problems(
-                gpu,
-                tp,
-                pp,
-                p["checkpoint_bytes"],
-                p["gpu_memory_utilization"],
-                p["min_kv_cache_bytes"],
-            )
+        fit = gpu_fit_problems(
+            gpu,
+            tp,
+            pp,
+            p["checkpoint_bytes"],
+            p["gpu_memory_utilization"],
+            p["min_kv_cache_bytes"],
         )
+        problems.extend(fit)
+        if fit:
+            # The GPUs or the weights do not fit: a context length cannot fix that.
+            checks["kv_memory"] = "skipped: the GPU fit check failed"
+        else:
+            kv_state = "absent" if drop else "kept"
+            problems.extend(kv_memory_problems(p, gpu, config, index, traits, kv_state, checks))
         me = {
             "host": p["host"],
             "group": p["group"],
@@ -447,6 +545,7 @@ def build_plan(module: AnsibleModule) -> dict:
         "expected_attention_backend": kv["attention_backend"],
         "nccl_env": nccl["env"],
         "nccl_reason": nccl["reason"],
+        "disable_custom_all_reduce": nccl["disable_custom_all_reduce"],
         "tensor_parallel_size": tp,
         "pipeline_parallel_size": pp,
         "health_timeout_s": p["health_timeout_s"],
@@ -488,6 +587,12 @@ def main() -> None:
             "gpu_memory_utilization": {"type": "float", "default": 0.9},
             "min_kv_cache_bytes": {"type": "int", "default": 4 * GIB},
             "cpu_overhead_bytes": {"type": "int", "default": 3 * GIB},
+            "gpu_overhead_bytes": {"type": "int", "default": 4 * GIB},
+            "max_model_len": {"type": "int", "default": 0},
+            "kv_cache_dtype": {"type": "str", "default": "auto"},
+            "declared_kv_layout": {"type": "dict", "default": {}},
+            "nccl_p2p_disable": {"type": "raw", "default": None},
+            "disable_custom_all_reduce": {"type": "raw", "default": None},
             "service_port": {"type": "int", "default": 8000},
             "service_unit": {"type": "str", "default": ""},
             "host": {"type": "str", "default": ""},

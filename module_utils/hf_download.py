@@ -1,6 +1,6 @@
 # Copyright: vllm-fleet contributors
 # Apache-2.0
-"""Engine of the hf_snapshot module: plan, fetch and prove a hub snapshot complete.
+"""Engine of the hf_snapshot module: plan, fetch and prove a hub snapshot byte for byte.
 
 Pure Python on purpose (unit-testable without Ansible). huggingface_hub is imported
 lazily, after HF_ENDPOINT / HF_HUB_DISABLE_XET / HF_TOKEN are set in the environment,
@@ -10,6 +10,12 @@ Layout: files land in ``local_dir`` (the checkpoint vLLM reads) and nothing else
 bookkeeping lives in ``state_dir`` beside it: ``manifest.json``, ``progress.json``,
 ``download.lock`` and ``partial/<sha>/<path>.part`` (kept across killed runs and resumed
 with an HTTP Range request from their partial bytes).
+
+Proof: every file's digest (sha256 for LFS files, git blob sha1 otherwise) is computed
+from the bytes as they arrive (resumed bytes included) and must equal the listing's
+before the file is moved into place. The manifest records size, digest and a stat stamp
+per file, so a rerun proves "unchanged" with one stat per file and re-hashes only files
+whose stamp moved. Names from the hub are validated before anything is written or deleted.
 """
 
 from __future__ import annotations
@@ -18,19 +24,27 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import importlib.util
 import json
 import os
+import re
 import shutil
 import socket
+import stat
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
 HASH_CHUNK = 8 << 20
 INDEX_FILE = "model.safetensors.index.json"
+# flock errors that mean "this filesystem does not do locks", not "someone holds it".
+NO_LOCK_ERRNOS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS)
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# Statuses of a listed file: only these need bytes from the hub.
+REFETCH = ("missing", "size", "corrupt")
 
 
 class DownloadError(Exception):
@@ -62,13 +76,14 @@ class Options:
     allow_patterns: list[str] | None = None
     ignore_patterns: list[str] | None = None
     max_workers: int = 8
-    verify: str = "size"
+    verify: str = "digest"
     hash_workers: int = 4
     space_margin_bytes: int = 1 << 30
-    patched_files: list[str] = field(default_factory=list)
     lock_timeout: float = 3600.0
     update: bool = False
     chunk_bytes: int = 1 << 20
+    transport: str = "auto"
+    quick: bool = False
 
 
 @dataclass
@@ -76,15 +91,17 @@ class Plan:
     sha: str
     entries: list[Entry]
     status: dict[str, str]
-    hashes: dict[str, str]
+    digests: dict[str, str]
     partial_bytes: int
     free_bytes: int
     recorded: bool = False
     notes: list[str] = field(default_factory=list)
+    extras: list[str] = field(default_factory=list)
+    hashed: int = 0
 
     @property
     def to_fetch(self) -> list[Entry]:
-        return [e for e in self.entries if self.status[e.path] != "ok"]
+        return [e for e in self.entries if self.status[e.path] in REFETCH]
 
     @property
     def bytes_total(self) -> int:
@@ -92,21 +109,38 @@ class Plan:
 
     @property
     def complete(self) -> bool:
-        return not self.to_fetch
+        return not self.extras and all(s == "ok" for s in self.status.values())
 
 
 # --- environment and hub ---------------------------------------------------------------
 
 
+def xet_importable() -> bool:
+    return importlib.util.find_spec("hf_xet") is not None
+
+
 def setup_environment(opts: Options) -> None:
-    """Configure the client through the environment (never argv) before importing it."""
-    os.environ["HF_HUB_DISABLE_XET"] = "1"
+    """Configure the client through the environment (never argv) before importing it.
+
+    Only the http transport switches Xet off: auto and xet leave the library's own
+    choice (Xet where the hub advertises it and hf_xet is installed).
+    """
+    if opts.transport == "http":
+        os.environ["HF_HUB_DISABLE_XET"] = "1"
     os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
     os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
     if opts.endpoint:
         os.environ["HF_ENDPOINT"] = opts.endpoint.rstrip("/")
     if opts.token:
         os.environ["HF_TOKEN"] = opts.token
+
+
+def check_transport(opts: Options) -> None:
+    if opts.transport == "xet" and not xet_importable():
+        raise DownloadError(
+            "model_download_transport=xet, but hf_xet is not installed in the toolkit venv: "
+            "install it (pip install hf_xet) or use transport auto or http. Nothing was downloaded."
+        )
 
 
 def _hub_failure(err: Exception, opts: Options) -> DownloadError:
@@ -155,8 +189,11 @@ def resolve_and_list(opts: Options, recorded_sha: str | None) -> tuple[str, list
         if type(err).__module__.startswith(("huggingface_hub", "httpx")):
             raise _hub_failure(err, opts) from err
         raise
-    if not sha:
-        raise DownloadError(f"The hub returned no commit sha for {opts.repo_id}@{opts.revision}")
+    if not sha or not re.fullmatch(r"[0-9a-f]{40}", sha):
+        # The sha names a directory of partial files: nothing else may reach the disk.
+        raise DownloadError(
+            f"The hub returned no valid commit sha for {opts.repo_id}@{opts.revision}: {sha!r}"
+        )
     by_path = {f.path: f for f in files}
     selected = filter_repo_objects(
         items=list(by_path),
@@ -175,6 +212,50 @@ def resolve_and_list(opts: Options, recorded_sha: str | None) -> tuple[str, list
     return sha, entries, notes
 
 
+# --- names from the hub ------------------------------------------------------------------
+
+
+def unsafe_reason(path: str) -> str | None:
+    """Why ``path`` is not a plain relative name inside a directory, or None."""
+    if not path:
+        return "empty name"
+    if "\0" in path:
+        return "NUL byte"
+    if "\\" in path:
+        return "backslash"
+    if path.startswith("/"):
+        return "absolute path"
+    parts = path.split("/")
+    if ".." in parts:
+        return "'..' segment"
+    if any(part in ("", ".") for part in parts):
+        return "empty or '.' segment"
+    return None
+
+
+def check_names(base: str, paths: list[str], where: str) -> None:
+    """Fail on the first name that is unsafe or resolves outside ``base`` (symlinks followed)."""
+    root = os.path.realpath(base)
+    for path in paths:
+        reason = unsafe_reason(path)
+        if reason is None:
+            real = os.path.realpath(os.path.join(root, path))
+            if os.path.commonpath([root, real]) != root:
+                reason = f"resolves to {real}, outside {root} through a symlink"
+        if reason:
+            raise DownloadError(
+                f"Refusing {where}: entry {path!r} is unsafe ({reason}). Nothing was written "
+                f"or deleted; every name must be a relative path inside {base}."
+            )
+
+
+def check_listing_names(opts: Options, sha: str, entries: list[Entry]) -> None:
+    where = f"the hub listing of {opts.repo_id}@{sha}"
+    paths = [e.path for e in entries]
+    check_names(opts.local_dir, paths, where)
+    check_names(partial_dir(opts, sha), [p + ".part" for p in paths], where)
+
+
 # --- local state -------------------------------------------------------------------------
 
 
@@ -186,91 +267,156 @@ def progress_path(opts: Options) -> str:
     return os.path.join(opts.state_dir, "progress.json")
 
 
+def partial_dir(opts: Options, sha: str) -> str:
+    return os.path.join(opts.state_dir, "partial", sha)
+
+
 def partial_path(opts: Options, sha: str, path: str) -> str:
-    return os.path.join(opts.state_dir, "partial", sha, path + ".part")
+    return os.path.join(partial_dir(opts, sha), path + ".part")
 
 
-def load_manifest(opts: Options) -> dict[str, Any]:
+def read_manifest(opts: Options) -> dict[str, Any]:
+    """The manifest of this repo in any version ({} when absent or unreadable)."""
     try:
         with open(manifest_path(opts)) as fh:
             data = json.load(fh)
     except (OSError, ValueError):
         return {}
-    same = data.get("repo_id") == opts.repo_id and data.get("version") == MANIFEST_VERSION
-    return data if same else {}
+    return data if isinstance(data, dict) and data.get("repo_id") == opts.repo_id else {}
 
 
-def stat_signature(path: str) -> dict[str, int] | None:
-    """Size, mtime, ctime, inode: ctime cannot be set back, so a rewrite is always seen."""
+def load_manifest(opts: Options) -> dict[str, Any]:
+    """The manifest when it is of this version: older ones hold no digests to trust."""
+    data = read_manifest(opts)
+    return data if data.get("version") == MANIFEST_VERSION else {}
+
+
+def stat_stamp(path: str) -> dict[str, int] | None:
+    """Size, mtime, ctime, inode, device of a regular file (None when absent or not one).
+
+    ctime cannot be set back by a writer, so an in-place rewrite with a restored mtime
+    is still seen; a replaced file has another inode.
+    """
     try:
-        st = os.stat(path)
+        st = os.lstat(path)
     except FileNotFoundError:
+        return None
+    if not stat.S_ISREG(st.st_mode):
         return None
     return {
         "size": st.st_size,
         "mtime_ns": st.st_mtime_ns,
         "ctime_ns": st.st_ctime_ns,
         "ino": st.st_ino,
+        "dev": st.st_dev,
     }
 
 
-def hash_file(path: str, algorithm: str) -> str:
+def new_digest(algorithm: str, size: int) -> Any:
     if algorithm == "sha256":
-        digest = hashlib.sha256()
-    else:
-        digest = hashlib.sha1(usedforsecurity=False)
-        digest.update(b"blob %d\0" % os.path.getsize(path))
+        return hashlib.sha256()
+    digest = hashlib.sha1(usedforsecurity=False)
+    digest.update(b"blob %d\0" % size)
+    return digest
+
+
+def feed_file(digest: Any, path: str, limit: int | None = None) -> None:
+    """Feed the first ``limit`` bytes of ``path`` (all when None) into ``digest``."""
+    left = limit
     with open(path, "rb") as fh:
-        while chunk := fh.read(HASH_CHUNK):
+        while left is None or left > 0:
+            chunk = fh.read(HASH_CHUNK if left is None else min(HASH_CHUNK, left))
+            if not chunk:
+                break
             digest.update(chunk)
+            if left is not None:
+                left -= len(chunk)
+
+
+def hash_file(path: str, algorithm: str) -> str:
+    digest = new_digest(algorithm, os.path.getsize(path))
+    feed_file(digest, path)
     return digest.hexdigest()
+
+
+def hash_many(opts: Options, entries: list[Entry], base: str) -> list[str | None]:
+    """Digests of ``base/<path>`` by each entry's algorithm, in parallel (None: unreadable)."""
+
+    def one(entry: Entry) -> str | None:
+        try:
+            return hash_file(os.path.join(base, entry.path), entry.reference()[0])
+        except OSError:
+            return None
+
+    with ThreadPoolExecutor(max(1, opts.hash_workers)) as pool:
+        return list(pool.map(one, entries))
 
 
 def assess(
     opts: Options, entries: list[Entry], manifest: dict[str, Any]
-) -> tuple[dict[str, str], dict[str, str]]:
-    """Classify each file in O(files) stats; hash only files whose stat changed or never hashed.
+) -> tuple[dict[str, str], dict[str, str], int]:
+    """Classify each file: one stat each; hash only files whose stamp is not the recorded one.
 
-    Returns (status, hashes): status is ok | missing | size | corrupt; hashes are the
-    verified digests (path -> digest) to record in the manifest.
+    A record is trusted only when its stamp equals the file's and its digest equals the
+    listing's (so a record of another commit proves a file the new commit did not change).
+    Returns (status, digests, hashed): status is ok | missing | size | corrupt | unproven
+    (quick mode: would need hashing); digests are the proved ones.
     """
     recorded = manifest.get("files", {})
     status: dict[str, str] = {}
-    hashes: dict[str, str] = {}
+    digests: dict[str, str] = {}
     to_hash: list[Entry] = []
     for entry in entries:
-        local = os.path.join(opts.local_dir, entry.path)
-        sig = stat_signature(local)
+        stamp = stat_stamp(os.path.join(opts.local_dir, entry.path))
         rec = recorded.get(entry.path, {})
-        known = rec.get("stat") == sig and rec.get("oid") == entry.oid
-        if sig is None:
+        want = entry.reference()[1]
+        if stamp is None:
             status[entry.path] = "missing"
-        elif entry.path in opts.patched_files and rec:
-            status[entry.path] = "ok"  # patched in place on purpose by a later step
-        elif sig["size"] != entry.size:
+        elif stamp["size"] != entry.size:
             status[entry.path] = "size"
-        elif known and (opts.verify != "full" or rec.get("hash")):
+        elif rec.get("stat") == stamp and rec.get("digest") == want and opts.verify != "full":
             status[entry.path] = "ok"
-            if rec.get("hash"):
-                hashes[entry.path] = rec["hash"]
-        elif known or opts.verify == "full" or rec:
-            to_hash.append(entry)  # changed since recorded, or never hashed under full
+            digests[entry.path] = want
+        elif opts.quick:
+            status[entry.path] = "unproven"
         else:
-            status[entry.path] = "ok"  # present with its size, no record: size mode trusts it
+            to_hash.append(entry)
     for entry, digest in zip(to_hash, hash_many(opts, to_hash, opts.local_dir), strict=True):
         good = digest == entry.reference()[1]
         status[entry.path] = "ok" if good else "corrupt"
         if good:
-            hashes[entry.path] = digest
-    return status, hashes
+            digests[entry.path] = entry.reference()[1]
+    return status, digests, len(to_hash)
 
 
-def hash_many(opts: Options, entries: list[Entry], base: str) -> list[str]:
-    def one(entry: Entry) -> str:
-        return hash_file(os.path.join(base, entry.path), entry.reference()[0])
+def local_files(base: str) -> list[str]:
+    """Every non-directory entry under ``base`` (symlinks not followed), relative, sorted."""
+    found = []
+    for top, dirs, files in os.walk(base):
+        rel = os.path.relpath(top, base)
+        for name in files + [d for d in dirs if os.path.islink(os.path.join(top, d))]:
+            found.append(name if rel == "." else f"{rel}/{name}")
+    return sorted(found)
 
-    with ThreadPoolExecutor(max(1, opts.hash_workers)) as pool:
-        return list(pool.map(one, entries))
+
+def find_extras(opts: Options, entries: list[Entry], manifest: dict[str, Any]) -> list[str]:
+    """Files in the checkpoint that the listing lacks: left by an earlier commit.
+
+    Only files an earlier download recorded are removed later; anything else is
+    refused (it may be someone's data, and nothing is deleted on a guess).
+    """
+    listed = {e.path for e in entries}
+    extras = [p for p in local_files(opts.local_dir) if p not in listed]
+    known = set(manifest.get("files", {}))
+    unknown = [p for p in extras if p not in known]
+    if unknown:
+        more = f" (+{len(unknown) - 10} more)" if len(unknown) > 10 else ""
+        raise DownloadError(
+            f"{opts.local_dir} holds files that are not part of {opts.repo_id} at this "
+            f"commit and that no earlier download recorded: {', '.join(unknown[:10])}{more}. "
+            "Move them out of the checkpoint directory and rerun; nothing was deleted."
+        )
+    return extras
 
 
 def free_bytes(path: str) -> int:
@@ -290,23 +436,23 @@ def human(n: float) -> str:
 
 
 def make_plan(opts: Options) -> Plan:
+    """Resolve and list, validate every name, then compare the disk with the listing."""
+    raw = read_manifest(opts)
     manifest = load_manifest(opts)
-    same_rev = manifest.get("revision") == opts.revision
-    sha, entries, notes = resolve_and_list(opts, manifest.get("sha") if same_rev else None)
-    if manifest.get("sha") != sha:
-        manifest = {**manifest, "files": {}}  # another commit: every record is stale
-    status, hashes = assess(opts, entries, manifest)
+    same_rev = raw.get("revision") == opts.revision
+    sha, entries, notes = resolve_and_list(opts, raw.get("sha") if same_rev else None)
+    check_listing_names(opts, sha, entries)
+    status, digests, hashed = assess(opts, entries, manifest)
+    extras = find_extras(opts, entries, raw)
     partial = 0
     for entry in entries:
-        if status[entry.path] != "ok":
+        if status[entry.path] in REFETCH:
             with contextlib.suppress(OSError):
                 partial += min(os.path.getsize(partial_path(opts, sha, entry.path)), entry.size)
-    files = manifest.get("files", {})
-    recorded = bool(manifest.get("complete")) and all(
-        files.get(e.path, {}).get("stat") == stat_signature(os.path.join(opts.local_dir, e.path))
-        for e in entries
-    )
-    return Plan(sha, entries, status, hashes, partial, free_bytes(opts.local_dir), recorded, notes)
+    plan = Plan(sha, entries, status, digests, partial, free_bytes(opts.local_dir), notes=notes)
+    plan.extras, plan.hashed = extras, hashed
+    plan.recorded = bool(manifest.get("complete")) and manifest.get("sha") == sha and not hashed
+    return plan
 
 
 def check_space(opts: Options, plan: Plan) -> None:
@@ -325,31 +471,46 @@ def check_space(opts: Options, plan: Plan) -> None:
 
 class DirLock:
     """flock on ``state_dir/download.lock``: the kernel drops it when its holder dies,
-    so a killed run never leaves a stale lock; the file names the last holder."""
+    so a killed run never leaves a stale lock; the file names the holder and since when."""
 
     def __init__(self, opts: Options) -> None:
         self.path = os.path.join(opts.state_dir, "download.lock")
         self.timeout = opts.lock_timeout
         self.fd: int | None = None
 
+    def _fail(self, fd: int, err: OSError) -> DownloadError:
+        if err.errno in NO_LOCK_ERRNOS:
+            os.close(fd)
+            return DownloadError(
+                f"The filesystem of {os.path.dirname(self.path)} refuses file locks (flock: "
+                f"{os.strerror(err.errno or 0)}), so two downloads could not be kept apart: "
+                "put model_download_state_dir on a filesystem with working locks (local disk, "
+                "NFSv4, or NFSv3 with lockd). Nothing was downloaded."
+            )
+        holder = os.pread(fd, 300, 0).decode(errors="replace").strip()
+        os.close(fd)
+        return DownloadError(
+            f"Another download holds {self.path} ({holder or 'holder unknown'}); waited "
+            f"{self.timeout:.0f} s (model_download_lock_timeout). Let it finish, or stop "
+            "that process if it is stuck; the kernel frees the lock when it dies."
+        )
+
     def __enter__(self) -> DirLock:
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         deadline = time.monotonic() + self.timeout
         while True:
             try:
-                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except OSError as err:
-                if err.errno not in (errno.EAGAIN, errno.EACCES) or time.monotonic() > deadline:
-                    holder = os.pread(self.fd, 200, 0).decode(errors="replace").strip()
-                    os.close(self.fd)
-                    raise DownloadError(
-                        f"Another download holds {self.path} ({holder or 'unknown holder'}) "
-                        f"for more than {self.timeout:.0f} s"
-                    ) from err
+                busy = err.errno in (errno.EAGAIN, errno.EACCES)
+                if not busy or time.monotonic() > deadline:
+                    raise self._fail(fd, err) from err
                 time.sleep(1)
-        os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, f"host={socket.gethostname()} pid={os.getpid()}\n".encode(), 0)
+        since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"host={socket.gethostname()} pid={os.getpid()} since={since}\n".encode(), 0)
+        self.fd = fd
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -383,6 +544,11 @@ class Progress:
             self.bytes_done += n
             self.fetched_bytes += n
 
+    def rewind(self, n: int) -> None:
+        """Bytes counted as done that were dropped (a digest mismatch)."""
+        with self.lock:
+            self.bytes_done -= n
+
     def file_done(self) -> None:
         with self.lock:
             self.files_done += 1
@@ -406,7 +572,9 @@ class Progress:
         }
 
     def write(self) -> None:
-        write_json_atomic(self.path, self.snapshot())
+        # Advisory: a full disk must not hide the transfer's own error behind this one.
+        with contextlib.suppress(OSError):
+            write_json_atomic(self.path, self.snapshot())
 
     def _loop(self) -> None:
         while not self._stop.wait(1.0):
@@ -456,11 +624,68 @@ def make_counter(progress: Progress) -> type:
     return Counter
 
 
+class HashingWriter:
+    """The file object handed to http_get: hashes every byte it writes.
+
+    http_get rewinds (seek + truncate) when a server ignores the Range request; the
+    digest then restarts from the bytes the file keeps.
+    """
+
+    def __init__(self, fh: Any, path: str, algorithm: str, size: int) -> None:
+        self.fh, self.path, self.algorithm, self.size = fh, path, algorithm, size
+        self.digest = new_digest(algorithm, size)
+
+    def prefill(self, nbytes: int) -> None:
+        """Hash the bytes already in the partial file, before new ones are appended."""
+        feed_file(self.digest, self.path, nbytes)
+
+    def write(self, data: bytes) -> int:
+        written = self.fh.write(data)
+        self.digest.update(data)
+        return written
+
+    def tell(self) -> int:
+        return self.fh.tell()
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self.fh.seek(offset, whence)
+
+    def truncate(self, size: int | None = None) -> int:
+        self.fh.flush()
+        kept = self.fh.truncate(size)
+        self.digest = new_digest(self.algorithm, self.size)
+        self.prefill(kept)
+        return kept
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+
 # --- fetching ------------------------------------------------------------------------------
 
 
-def fetch_one(opts: Options, sha: str, entry: Entry, progress: Progress) -> dict[str, Any]:
-    """HEAD + GET one file into its .part (resumed by Range), check it, move it into place."""
+@dataclass
+class Fetched:
+    path: str
+    resumed_from: int
+    digest: str
+    transport: str
+
+
+def disk_full(opts: Options, entry: Entry, part: str, progress: Progress) -> DownloadError:
+    have = os.path.getsize(part) if os.path.exists(part) else 0
+    with progress.lock:
+        left = progress.bytes_total - progress.bytes_done
+    return DownloadError(
+        f"Disk full writing {part} ({entry.path}): this file needs {entry.size - have} more "
+        f"bytes, the whole download about {max(left, 0)} ({human(max(left, 0))}), "
+        f"{free_bytes(part)} bytes are free there. The {have} bytes received are kept in "
+        "the partial file: free space (or move to a larger disk) and rerun to resume."
+    )
+
+
+def transfer(opts: Options, sha: str, entry: Entry, progress: Progress) -> Fetched:
+    """One HEAD + GET (or Xet) of ``entry`` into its .part; returns the digest of its bytes."""
     from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
     from huggingface_hub.file_download import http_get
     from huggingface_hub.utils import build_hf_headers
@@ -477,34 +702,50 @@ def fetch_one(opts: Options, sha: str, entry: Entry, progress: Progress) -> dict
         raise DownloadError(f"{entry.path}: hub says {meta.size} bytes, listing says {entry.size}")
     part = partial_path(opts, sha, entry.path)
     os.makedirs(os.path.dirname(part), exist_ok=True)
+    headers = build_hf_headers(token=opts.token or None)
+    algorithm = entry.reference()[0]
+    if meta.xet_file_data is not None and opts.transport != "http" and xet_importable():
+        return transfer_xet(entry, part, meta.xet_file_data, headers, progress)
     resume = os.path.getsize(part) if os.path.exists(part) else 0
     if resume > entry.size:
         os.truncate(part, 0)
         resume = 0
-    headers = build_hf_headers(token=opts.token or None)
     with open(part, "ab") as fh:
+        writer = HashingWriter(fh, part, algorithm, entry.size)
+        writer.prefill(resume)
         if resume < entry.size:
             http_get(
                 meta.location,
-                fh,
+                writer,  # type: ignore[arg-type]
                 resume_size=resume,
                 headers=headers,
                 expected_size=entry.size,
                 tqdm_class=make_counter(progress),
             )
-    size = os.path.getsize(part)
-    if size != entry.size:
-        os.unlink(part)
-        raise DownloadError(
-            f"{entry.path}: got {size} bytes, expected {entry.size}; partial dropped"
-        )
-    digest = None
-    if opts.verify == "full":
-        algorithm, want = entry.reference()
-        digest = hash_file(part, algorithm)
-        if digest != want:
-            os.unlink(part)
-            raise DownloadError(f"{entry.path}: {algorithm} {digest} != listing {want}; dropped")
+    return Fetched(entry.path, resume, writer.digest.hexdigest(), "http")
+
+
+def transfer_xet(
+    entry: Entry, part: str, xet_data: Any, headers: dict[str, str], progress: Progress
+) -> Fetched:
+    """huggingface_hub's own Xet path writes the file; it is hashed once it has landed
+    (in this worker, while the other workers keep transferring)."""
+    from pathlib import Path
+
+    from huggingface_hub.file_download import xet_get
+
+    xet_get(
+        incomplete_path=Path(part),
+        xet_file_data=xet_data,
+        headers=headers,
+        expected_size=entry.size,
+        displayed_filename=entry.path,
+    )
+    progress.add(entry.size)
+    return Fetched(entry.path, 0, hash_file(part, entry.reference()[0]), "xet")
+
+
+def place(opts: Options, part: str, entry: Entry) -> None:
     dest = os.path.join(opts.local_dir, entry.path)
     os.makedirs(os.path.dirname(dest), exist_ok=True)
     try:
@@ -513,17 +754,60 @@ def fetch_one(opts: Options, sha: str, entry: Entry, progress: Progress) -> dict
         if err.errno != errno.EXDEV:
             raise
         shutil.move(part, dest)
-    progress.file_done()
-    return {"path": entry.path, "resumed_from": resume, "hash": digest}
 
 
-def fetch_all(opts: Options, plan: Plan, progress: Progress) -> list[dict[str, Any]]:
+def fetch_one(opts: Options, sha: str, entry: Entry, progress: Progress) -> Fetched:
+    """Fetch, check the digest of the bytes received, then move into place.
+
+    A mismatch never lands: the partial is dropped and the file fetched once more from
+    its first byte; a second mismatch fails naming both digests.
+    """
+    part = partial_path(opts, sha, entry.path)
+    algorithm, want = entry.reference()
+    got = ""
+    for attempt in (1, 2):
+        try:
+            fetched = transfer(opts, sha, entry, progress)
+        except OSError as err:
+            if err.errno in DISK_FULL_ERRNOS:
+                raise disk_full(opts, entry, part, progress) from err
+            raise
+        got = fetched.digest
+        if got == want:
+            if attempt == 2:
+                fetched.resumed_from = 0
+            place(opts, part, entry)
+            progress.file_done()
+            return fetched
+        os.unlink(part)
+        progress.rewind(entry.size)
+    raise DownloadError(
+        f"{entry.path}: the hub's bytes do not match its listing: {algorithm} {got}, "
+        f"expected {want} (fetched twice, both dropped; nothing of it is in the checkpoint)"
+    )
+
+
+def remove_file(base: str, path: str) -> None:
+    """Remove ``base/path`` and the directories this leaves empty (up to ``base``)."""
+    full = os.path.join(base, path)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(full)
+    parent = os.path.dirname(full)
+    while os.path.realpath(parent) != os.path.realpath(base):
+        try:
+            os.rmdir(parent)
+        except OSError:
+            break
+        parent = os.path.dirname(parent)
+
+
+def fetch_all(opts: Options, plan: Plan, progress: Progress) -> list[Fetched]:
     # Largest first: the long shards start early and the tail is short files.
     todo = sorted(plan.to_fetch, key=lambda e: -e.size)
     for entry in todo:
         if plan.status[entry.path] != "missing":
-            os.unlink(os.path.join(opts.local_dir, entry.path))  # wrong size or content
-    results: list[dict[str, Any]] = []
+            remove_file(opts.local_dir, entry.path)  # wrong bytes never stay in the checkpoint
+    results: list[Fetched] = []
     errors: list[str] = []
     with ThreadPoolExecutor(max(1, opts.max_workers)) as pool:
         futures = [pool.submit(fetch_one, opts, plan.sha, e, progress) for e in todo]
@@ -546,45 +830,47 @@ def fetch_all(opts: Options, plan: Plan, progress: Progress) -> list[dict[str, A
 # --- proof and manifest --------------------------------------------------------------------
 
 
-def prove_complete(opts: Options, entries: list[Entry]) -> None:
-    """Every listed file exists with its size; every shard of the index is listed and present."""
+def prove_complete(opts: Options, entries: list[Entry], digests: dict[str, str]) -> None:
+    """Every listed file is present with its size and a proved digest equal to the listing's;
+    nothing else is in the directory; every shard of the index is listed and present."""
     problems = []
     for entry in entries:
-        sig = stat_signature(os.path.join(opts.local_dir, entry.path))
-        if sig is None:
+        stamp = stat_stamp(os.path.join(opts.local_dir, entry.path))
+        if stamp is None:
             problems.append(f"{entry.path} missing")
-        elif sig["size"] != entry.size and entry.path not in opts.patched_files:
-            problems.append(f"{entry.path} has {sig['size']} bytes, listing says {entry.size}")
+        elif stamp["size"] != entry.size:
+            problems.append(f"{entry.path} has {stamp['size']} bytes, listing says {entry.size}")
+        elif digests.get(entry.path) != entry.reference()[1]:
+            problems.append(f"{entry.path} has no proved {entry.reference()[0]} digest")
     listed = {e.path for e in entries}
-    index = os.path.join(opts.local_dir, INDEX_FILE)
+    problems += [
+        f"{p} is not part of the commit" for p in local_files(opts.local_dir) if p not in listed
+    ]
     if INDEX_FILE in listed:
-        with open(index) as fh:
+        with open(os.path.join(opts.local_dir, INDEX_FILE)) as fh:
             shards = set(json.load(fh).get("weight_map", {}).values())
         for shard in sorted(shards):
             if shard not in listed:
                 problems.append(f"index names {shard}, which is not downloaded (patterns or repo)")
-            elif not os.path.isfile(os.path.join(opts.local_dir, shard)):
-                problems.append(f"index names {shard}, which is missing")
     if problems:
         raise DownloadError(
             f"Checkpoint {opts.local_dir} is incomplete: " + "; ".join(problems[:10])
         )
 
 
-def write_manifest(opts: Options, plan: Plan, hashes: dict[str, str]) -> None:
-    old = load_manifest(opts)
-    old_files = old.get("files", {}) if old.get("sha") == plan.sha else {}
+def write_manifest(opts: Options, plan: Plan, digests: dict[str, str]) -> None:
     files = {}
     for entry in plan.entries:
-        sig = stat_signature(os.path.join(opts.local_dir, entry.path))
-        rec: dict[str, Any] = {"size": entry.size, "oid": entry.oid, "stat": sig}
+        algorithm = entry.reference()[0]
+        files[entry.path] = {
+            "size": entry.size,
+            "oid": entry.oid,
+            "algorithm": algorithm,
+            "digest": digests.get(entry.path, ""),
+            "stat": stat_stamp(os.path.join(opts.local_dir, entry.path)),
+        }
         if entry.sha256:
-            rec["sha256"] = entry.sha256
-        if entry.path in hashes:
-            rec["hash"] = hashes[entry.path]
-        elif entry.path in opts.patched_files and old_files.get(entry.path, {}).get("hash"):
-            rec["hash"] = old_files[entry.path]["hash"]
-        files[entry.path] = rec
+            files[entry.path]["sha256"] = entry.sha256
     write_json_atomic(
         manifest_path(opts),
         {
@@ -593,7 +879,6 @@ def write_manifest(opts: Options, plan: Plan, hashes: dict[str, str]) -> None:
             "revision": opts.revision,
             "sha": plan.sha,
             "complete": True,
-            "verify": opts.verify if len(hashes) == len(plan.entries) else "size",
             "files_total": len(plan.entries),
             "bytes_total": plan.bytes_total,
             "files": files,
@@ -616,55 +901,105 @@ def plan_summary(plan: Plan) -> dict[str, Any]:
         "free_bytes": plan.free_bytes,
         "missing": sorted(e.path for e in todo if plan.status[e.path] == "missing")[:50],
         "damaged": sorted(e.path for e in todo if plan.status[e.path] in ("size", "corrupt")),
+        "unproven": sum(1 for s in plan.status.values() if s == "unproven"),
+        "extra": plan.extras[:50],
+        "hashed": plan.hashed,
         "notes": plan.notes,
     }
 
 
 def download(opts: Options) -> dict[str, Any]:
-    """Plan, check space, fetch what is missing or damaged, prove completeness, record."""
+    """Plan, check space, fetch what is missing or damaged, prove every digest, record."""
+    check_transport(opts)
     os.makedirs(opts.state_dir, exist_ok=True)
+    opts.quick = False  # the download proves every file it keeps
     with DirLock(opts):
         plan = make_plan(opts)  # after the lock: a concurrent run may have finished it
         check_space(opts, plan)
-        os.makedirs(opts.local_dir, exist_ok=True)
         summary = plan_summary(plan)
         started = time.monotonic()
         progress = Progress(opts, plan)
         with progress:
-            results = fetch_all(opts, plan, progress) if not plan.complete else []
-            hashes = dict(plan.hashes)
-            hashes.update({r["path"]: r["hash"] for r in results if r["hash"]})
-            prove_complete(opts, plan.entries)
-            write_manifest(opts, plan, hashes)
+            for path in plan.extras:
+                remove_file(opts.local_dir, path)  # recorded by an earlier commit, gone now
+            os.makedirs(opts.local_dir, exist_ok=True)
+            results = fetch_all(opts, plan, progress) if plan.to_fetch else []
+            digests = dict(plan.digests)
+            digests.update({r.path: r.digest for r in results})
+            prove_complete(opts, plan.entries, digests)
+            if results or plan.extras or not plan.recorded:
+                write_manifest(opts, plan, digests)
             shutil.rmtree(os.path.join(opts.state_dir, "partial"), ignore_errors=True)
         elapsed = time.monotonic() - started
         return {
             **summary,
             "complete": True,
-            "changed": bool(results),
-            "fetched": sorted(r["path"] for r in results),
+            "changed": bool(results or plan.extras),
+            "fetched": sorted(r.path for r in results),
             "fetched_bytes": progress.fetched_bytes,
-            "resumed": sorted(r["path"] for r in results if r["resumed_from"]),
-            "verified": "full" if len(hashes) == len(plan.entries) else "size",
+            "resumed": sorted(r.path for r in results if r.resumed_from),
+            "removed": plan.extras,
+            "transports": sorted({r.transport for r in results}),
+            "verified": "digest",
             "elapsed_s": round(elapsed, 2),
             "rate_bytes_per_s": int(progress.fetched_bytes / elapsed) if elapsed > 0 else 0,
             "manifest": manifest_path(opts),
         }
 
 
-def verify_local(opts: Options) -> dict[str, Any]:
-    """This host's view of the checkpoint against the manifest (no network): O(files) stats."""
+def manifest_entries(opts: Options) -> tuple[dict[str, Any], list[Entry]]:
     manifest = load_manifest(opts)
     if not manifest.get("complete"):
-        raise DownloadError(f"No complete download recorded in {manifest_path(opts)}")
-    entries = [
-        Entry(p, r["size"], r["oid"], r.get("sha256")) for p, r in sorted(manifest["files"].items())
-    ]
-    prove_complete(opts, entries)
+        raise DownloadError(
+            f"No complete download recorded in {manifest_path(opts)} (missing, unreadable or "
+            "written by an older version): run the download (deploy --tags download) first."
+        )
+    files = manifest["files"]
+    check_names(opts.local_dir, list(files), f"the manifest {manifest_path(opts)}")
+    entries = [Entry(p, r["size"], r["oid"], r.get("sha256")) for p, r in sorted(files.items())]
+    return manifest, entries
+
+
+def view_stamp(stamp: dict[str, int] | None) -> dict[str, int] | None:
+    """The stamp as every host sees it on shared storage (device numbers are per host)."""
+    return None if stamp is None else {k: v for k, v in stamp.items() if k != "dev"}
+
+
+def verify_local(opts: Options) -> dict[str, Any]:
+    """This host's view of the checkpoint against the manifest (no network).
+
+    Default: one stat per file, each stamp equal to the recorded one. ``verify=full``:
+    re-hash every file in parallel against the manifest's digests, naming each bad file.
+    """
+    manifest, entries = manifest_entries(opts)
+    files = manifest["files"]
+    bad: list[str] = []
+    if opts.verify == "full":
+        for entry, got in zip(entries, hash_many(opts, entries, opts.local_dir), strict=True):
+            want = files[entry.path].get("digest")
+            if got != want or want != entry.reference()[1]:
+                bad.append(
+                    f"{entry.path} ({entry.reference()[0]} {got or 'unreadable'}, manifest {want})"
+                )
+    else:
+        for entry in entries:
+            stamp = view_stamp(stat_stamp(os.path.join(opts.local_dir, entry.path)))
+            if stamp is None:
+                bad.append(f"{entry.path} (missing)")
+            elif stamp != view_stamp(files[entry.path].get("stat")):
+                bad.append(f"{entry.path} (changed since the download proved it)")
+    if bad:
+        more = f" (+{len(bad) - 20} more)" if len(bad) > 20 else ""
+        raise DownloadError(
+            f"Checkpoint {opts.local_dir} differs from {opts.repo_id}@{manifest['sha']}: "
+            f"{len(bad)} bad file(s): {'; '.join(bad[:20])}{more}. Rerun the download "
+            "(deploy --tags download) to repair them from the hub."
+        )
     return {
         "changed": False,
         "sha": manifest["sha"],
         "complete": True,
+        "verified": opts.verify,
         "files_total": len(entries),
         "bytes_total": sum(e.size for e in entries),
     }
@@ -718,7 +1053,7 @@ def wait_progress(opts: Options, wait_s: float, job_file: str | None = None) -> 
         ended = job is not None if job_file else state in ("done", "failed") or dead
         if ended or time.monotonic() >= deadline:
             break
-        time.sleep(0.5)
+        time.sleep(0.2)
     if dead:
         progress["state"] = "killed"
     rate = progress.get("rate_bytes_per_s") or 0

@@ -3,7 +3,8 @@
 """The compatibility matrix evaluator and the plan's fit checks: decision logic in one place.
 
 The matrix itself is data (roles/preflight/files/compat_matrix.yml), passed in as a dict.
-Pure functions, stdlib only (they run on the nodes inside library/vllm_fleet_plan.py).
+Pure functions, stdlib only (they run on the nodes inside library/vllm_fleet_plan.py);
+packaging parses versions where it is installed, a stdlib key with its ordering elsewhere.
 """
 
 from __future__ import annotations
@@ -13,6 +14,13 @@ from typing import Any
 
 # The same declaration paths library/hf_quant_config.py patches (one reader, not two).
 from ansible.module_utils.hf_quant import CONFIG_FILE, HF_QUANT_FILE, find_declarations
+
+try:
+    from packaging.version import InvalidVersion as _InvalidVersion
+    from packaging.version import Version as _PackagingVersion
+except ImportError:  # Debian nodes: python3 without python3-packaging
+    _PackagingVersion = None
+    _InvalidVersion = ValueError
 
 GIB = 1024**3
 MIB = 1024**2
@@ -30,16 +38,8 @@ MLA_ARCHITECTURES = frozenset(
 )
 ATTENTION_FAMILIES = ("mla", "mha", "unknown")
 KV_QUANTS = ("none", "fp8", "int8", "nvfp4", "unknown")
-
-_VERSION_RE = re.compile(
-    r"^\s*v?(?P<release>\d+(?:\.\d+)*)"
-    r"(?:[.-]?(?P<pre>a|alpha|b|beta|rc|c)[.-]?(?P<pre_n>\d*))?"
-    r"(?:[.-]?post[.-]?(?P<post>\d+))?"
-    r"(?:[.-]?dev[.-]?(?P<dev>\d*))?"
-    r"(?:\+[A-Za-z0-9.]+)?\s*$",
-    re.IGNORECASE,
-)
-_PRE_RANK = {"a": 1, "alpha": 1, "b": 2, "beta": 2, "c": 3, "rc": 3}
+# A drop row's backend: whatever the row for an undeclared KV cache expects.
+AS_UNQUANTIZED = "as-unquantized"
 
 
 class MatrixError(ValueError):
@@ -49,21 +49,59 @@ class MatrixError(ValueError):
 # ---------------------------------------------------------------- versions
 
 
-def parse_version(text: str) -> tuple[int, ...]:
-    """PEP 440-ish sort key: 0.16.0rc2 < 0.16.0 < 0.16.0.post1; dev before pre; +local ignored."""
-    match = _VERSION_RE.match(str(text))
-    if not match:
-        raise MatrixError(f"cannot parse version {text!r} (expected e.g. 0.16.0rc2, 0.18.0)")
-    release = [int(p) for p in match.group("release").split(".")]
-    release = [*release, 0, 0, 0, 0][:4]
-    if match.group("dev") is not None and match.group("pre") is None:
-        phase, number = 0, int(match.group("dev") or 0)
-    elif match.group("pre"):
-        phase, number = _PRE_RANK[match.group("pre").lower()], int(match.group("pre_n") or 0)
+def parse_version(text: str) -> Any:
+    """A PEP 440 version that compares as pip does: 0.18.0.dev1 < 0.18.0rc1 < 0.18.0 <
+    0.18.0+cu130 < 0.18.0.post1. packaging where importable (the controller); else a
+    stdlib key with packaging's ordering (Debian nodes ship python3 without it)."""
+    text = str(text).strip()
+    if _PackagingVersion is not None:
+        try:
+            return _PackagingVersion(text)
+        except _InvalidVersion:
+            pass
     else:
-        phase, number = 4, 0
-    post = int(match.group("post") or 0)
-    return (*release, phase, number, post)
+        key = pep440_key(text)
+        if key is not None:
+            return key
+    raise MatrixError(f"cannot parse version {text!r} (expected PEP 440, e.g. 0.18.0rc1, 0.18.0)")
+
+
+# packaging's VERSION_PATTERN (PEP 440 appendix B), for hosts without packaging.
+_PEP440 = re.compile(
+    r"""^\s*v?(?:(?P<epoch>[0-9]+)!)?(?P<release>[0-9]+(?:\.[0-9]+)*)
+    (?P<pre>[-_.]?(?P<pre_l>alpha|a|beta|b|preview|pre|c|rc)[-_.]?(?P<pre_n>[0-9]+)?)?
+    (?P<post>(?:-(?P<post_n1>[0-9]+))|(?:[-_.]?(?P<post_l>post|rev|r)[-_.]?(?P<post_n2>[0-9]+)?))?
+    (?P<dev>[-_.]?(?P<dev_l>dev)[-_.]?(?P<dev_n>[0-9]+)?)?
+    (?:\+(?P<local>[a-z0-9]+(?:[-_.][a-z0-9]+)*))?\s*$""",
+    re.VERBOSE | re.IGNORECASE,
+)
+_PRE_RANK = {"a": 0, "alpha": 0, "b": 1, "beta": 1, "c": 2, "pre": 2, "preview": 2, "rc": 2}
+_LOW, _HIGH = (-1,), (1,)
+
+
+def pep440_key(text: str) -> tuple | None:
+    """packaging.version.Version's sort key, stdlib only; None when not PEP 440."""
+    m = _PEP440.match(text)
+    if not m:
+        return None
+    release = [int(p) for p in m.group("release").split(".")]
+    while len(release) > 1 and release[-1] == 0:
+        release.pop()
+    pre = (
+        (0, _PRE_RANK[m.group("pre_l").lower()], int(m.group("pre_n") or 0))
+        if m.group("pre")
+        else None
+    )
+    post_n = m.group("post_n1") or m.group("post_n2")
+    post = (0, int(post_n or 0)) if m.group("post") else _LOW
+    dev = (0, int(m.group("dev_n") or 0)) if m.group("dev") else _HIGH
+    if pre is None:
+        pre = _LOW if post == _LOW and dev != _HIGH else _HIGH
+    local: tuple = _LOW
+    if m.group("local"):
+        parts = re.split(r"[-_.]", m.group("local").lower())
+        local = (0, *((1, int(p), "") if p.isdigit() else (0, 0, p) for p in parts))
+    return (int(m.group("epoch") or 0), tuple(release), pre, post, dev, local)
 
 
 def parse_compute_capability(text: str) -> tuple[int, int]:
@@ -176,6 +214,7 @@ _MATCH_KEYS = {
     "attention",
     "kv_cache_quant",
     "interconnect",
+    "widest_pcie_path",
     "infiniband",
     "mig",
     "world_size",
@@ -289,6 +328,8 @@ def kv_cache_decision(matrix: dict[str, Any], ctx: dict[str, Any]) -> dict[str, 
         }
     decision = row["decision"]
     backend = decision["attention_backend"]
+    if backend == AS_UNQUANTIZED and ctx.get("kv_cache_quant") != "none":
+        backend = kv_cache_decision(matrix, {**ctx, "kv_cache_quant": "none"})["attention_backend"]
     if isinstance(backend, dict):
         backend = backend.get(ctx.get("attention"), backend.get("default", "unknown"))
     return {
@@ -299,12 +340,37 @@ def kv_cache_decision(matrix: dict[str, Any], ctx: dict[str, Any]) -> dict[str, 
     }
 
 
-def nccl_decision(matrix: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any]:
+# nvidia-smi topo -m path -> NCCL_P2P_LEVEL (NCCL has no NODE level: PHB covers it).
+P2P_LEVEL = {"PIX": "PIX", "PXB": "PXB", "PHB": "PHB", "NODE": "PHB", "SYS": "SYS"}
+FROM_TOPOLOGY = "from-topology"
+
+
+def nccl_decision(
+    matrix: dict[str, Any],
+    ctx: dict[str, Any],
+    p2p_disable: bool | None = None,
+    disable_custom_all_reduce: bool | None = None,
+) -> dict[str, Any]:
+    """NCCL environment and the custom all-reduce switch; a switch given wins the row's default."""
     row = first_match(matrix["nccl_profiles"], ctx)
-    if row is None:
-        return {"profile": None, "env": {}, "reason": "no NCCL profile matched: NCCL defaults"}
-    env = {str(k): str(v) for k, v in row["decision"]["env"].items()}
-    return {"profile": row["id"], "env": env, "reason": row["decision"]["reason"].strip()}
+    decision = row["decision"] if row else {"env": {}}
+    env = {str(k): str(v) for k, v in decision["env"].items()}
+    if env.get("NCCL_P2P_LEVEL") == FROM_TOPOLOGY:
+        env["NCCL_P2P_LEVEL"] = P2P_LEVEL.get(str(ctx.get("widest_pcie_path")), "SYS")
+    disable = decision.get("p2p_disable", False) if p2p_disable is None else p2p_disable
+    if disable:
+        # P2P off: a P2P level would be meaningless; vLLM's custom all-reduce needs P2P.
+        env.pop("NCCL_P2P_LEVEL", None)
+        env["NCCL_P2P_DISABLE"] = "1"
+    no_car = bool(decision.get("disable_custom_all_reduce", False) or disable)
+    if disable_custom_all_reduce is not None:
+        no_car = disable_custom_all_reduce
+    return {
+        "profile": row["id"] if row else None,
+        "env": env,
+        "disable_custom_all_reduce": no_car,
+        "reason": decision["reason"].strip() if row else "no NCCL profile matched: NCCL defaults",
+    }
 
 
 def rejections(matrix: dict[str, Any], ctx: dict[str, Any]) -> list[str]:
@@ -412,7 +478,103 @@ def plan_context(
         "attention": attention,
         "kv_cache_quant": kv_quant,
         "interconnect": summary.get("interconnect", "none"),
+        "widest_pcie_path": summary.get("widest_pcie_path"),
         "infiniband": bool(gpu.get("infiniband")),
         "mig": bool(gpu.get("mig_enabled")),
         "world_size": world_size,
     }
+
+
+# ---------------------------------------------------------------- KV cache memory
+
+_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
+
+
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config: nested text_config (Kimi-K2.5, VL wrappers) or the top."""
+    nested = config.get("text_config")
+    return {**config, **nested} if isinstance(nested, dict) else config
+
+
+def kv_dtype_bytes(kv_cache_dtype: str, kv_kept: str, config: dict[str, Any]) -> int:
+    """Bytes per KV element: the explicit --kv-cache-dtype, else the checkpoint's KV
+    quantization when the plan keeps it (fp8: 1), else the model dtype (auto)."""
+    name = (kv_cache_dtype or "auto").lower()
+    if name.startswith("fp8"):
+        return 1
+    if name != "auto":
+        return _DTYPE_BYTES.get(name, 2)
+    if kv_kept == "fp8":
+        return 1
+    text = text_config(config)
+    dtype = str(text.get("torch_dtype") or text.get("dtype") or "bfloat16").lower()
+    return _DTYPE_BYTES.get(dtype.removeprefix("torch."), 2)
+
+
+def kv_bytes_per_token(
+    config: dict[str, Any], dtype_bytes: int, tensor_parallel: int, pipeline_parallel: int
+) -> tuple[int, str]:
+    """KV bytes one token takes on one GPU, and the formula with its numbers.
+
+    MLA caches one latent (kv_lora_rank + qk_rope_head_dim) per layer, the same on
+    every TP rank (vLLM replicates it); GQA/MHA caches K and V for the rank's share of
+    the KV heads (at least one). Pipeline stages split the layers.
+    """
+    text = text_config(config)
+    layers = -(-int(text["num_hidden_layers"]) // max(1, pipeline_parallel))
+    if text.get("kv_lora_rank"):
+        latent = int(text["kv_lora_rank"]) + int(text.get("qk_rope_head_dim") or 0)
+        total = latent * layers * dtype_bytes
+        return total, (
+            f"MLA ({text['kv_lora_rank']} + {text.get('qk_rope_head_dim') or 0}) x {layers} layers"
+            f" x {dtype_bytes} B = {total} B/token"
+        )
+    heads = int(text.get("num_key_value_heads") or text["num_attention_heads"])
+    head_dim = int(
+        text.get("head_dim") or int(text["hidden_size"]) // int(text["num_attention_heads"])
+    )
+    per_rank = max(1, heads // max(1, tensor_parallel))
+    total = 2 * per_rank * head_dim * layers * dtype_bytes
+    return total, (
+        f"2 x {per_rank} KV heads x {head_dim} x {layers} layers x {dtype_bytes} B"
+        f" = {total} B/token"
+    )
+
+
+def default_max_model_len(config: dict[str, Any]) -> int:
+    return int(text_config(config).get("max_position_embeddings") or 0)
+
+
+def context_fit(
+    gpu_memory_bytes: int,
+    memory_utilization: float,
+    weights_per_gpu: float,
+    overhead_bytes: int,
+    kv_per_token: int,
+    max_model_len: int,
+) -> dict[str, Any]:
+    """Whether one full max_model_len sequence's KV fits beside the weights on one GPU."""
+    budget = gpu_memory_bytes * memory_utilization - weights_per_gpu - overhead_bytes
+    fits_tokens = int(max(0, budget) // kv_per_token) if kv_per_token else 0
+    return {
+        "kv_budget_bytes": int(budget),
+        "kv_bytes_per_token": kv_per_token,
+        "kv_bytes_max_model_len": kv_per_token * max_model_len,
+        "max_model_len": max_model_len,
+        "largest_fitting_len": fits_tokens,
+        "fits": kv_per_token * max_model_len <= budget,
+    }
+
+
+def context_fit_problem(fit: dict[str, Any], formula: str, memory_utilization: float) -> list[str]:
+    if fit["fits"]:
+        return []
+    need = fit["kv_bytes_max_model_len"]
+    return [
+        f"max-model-len {fit['max_model_len']} needs {_gib(need)} of KV cache per GPU for one"
+        f" full sequence ({formula}), but only {_gib(max(0, fit['kv_budget_bytes']))} is left"
+        f" after the weights and the overhead at gpu-memory-utilization {memory_utilization};"
+        f" the largest context that fits is {fit['largest_fitting_len']} tokens: set"
+        f" vllm_fleet_engine_args['max-model-len'] to at most that, raise"
+        f" gpu-memory-utilization, or use more GPUs"
+    ]

@@ -1,4 +1,4 @@
-"""``vllm-fleet``: deploy, rollback, patch-config and status through ansible-runner.
+"""``vllm-fleet``: deploy, rollback, patch-config, verify and status through ansible-runner.
 
 Exit codes: 0 success; 1 a host failed or was unreachable (the summary names
 host, task and diagnosis); 2 bad arguments (nothing ran); 3 Ansible could not
@@ -40,6 +40,7 @@ PLAYBOOKS = {
     "deploy": "deploy.yml",
     "rollback": "rollback.yml",
     "patch-config": "deploy.yml",
+    "verify": "deploy.yml",
     "status": "playbooks/status.yml",
 }
 RunFn = Callable[[RunRequest, Callable[[dict[str, Any]], None]], RunResult]
@@ -109,6 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="only the quant-config patch (deploy.yml --tags patch-config)",
     )
     commands.add_parser(
+        "verify",
+        parents=[common, playbook],
+        help="re-hash every checkpoint file against the hub, repairing each bad one "
+        "(deploy.yml --tags download -e model_download_verify=full; --check only reports)",
+    )
+    commands.add_parser(
         "status", parents=[common], help="per node: unit, /health, model, release, vLLM version"
     )
     return parser
@@ -130,6 +137,9 @@ def build_request(args: argparse.Namespace) -> RunRequest:
     tags = getattr(args, "tags", None)
     if args.command == "patch-config":
         tags = "patch-config"
+    if args.command == "verify":
+        tags = "download"
+        extravars.insert(0, {"model_download_verify": "full"})  # before -e: a user value wins
     return RunRequest(
         project_dir=project,
         playbook=PLAYBOOKS[args.command],
@@ -212,7 +222,7 @@ def run_command(
     hosts = list_hosts(request)
     if args.command == "rollback":
         confirm_rollback(args, hosts, stdin or sys.stdin)
-    redactor = Redactor(secrets_in(request.extravars))
+    redactor = Redactor(secrets_in(request.extravars, request.inventory, request.project_dir))
     model = FleetModel(redactor)
     renderer = make_renderer(args, model, stdout)
     header = header_for(args, request, hosts)

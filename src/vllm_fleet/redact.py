@@ -2,8 +2,10 @@
 
 Two layers: a value under a key whose name looks secret (token, key, password,
 secret) is replaced wherever it appears in an event, and every secret value the
-CLI knows (from the extra vars it was given) is scrubbed from free text, since
-a task can echo it in ``msg`` or ``stdout`` under an innocent key.
+CLI knows (from the extra vars it was given, and every vault-encrypted value of
+those files and of the inventory's variable files, whatever its key) is
+scrubbed from free text, since a task can echo it in ``msg`` or ``stdout``
+under an innocent key.
 """
 
 from __future__ import annotations
@@ -41,6 +43,46 @@ def secret_values(variables: dict[str, Any]) -> set[str]:
                 found.add(text)
 
     walk(variables, False)
+    return found
+
+
+def all_values(variables: Any) -> set[str]:
+    """Every scalar value at any depth (the content of a vault-encrypted file)."""
+    found: set[str] = set()
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+        elif isinstance(node, str | int | float) and not isinstance(node, bool):
+            text = str(node)
+            if len(text) >= MIN_SECRET_LEN:
+                found.add(text)
+
+    walk(variables)
+    return found
+
+
+def vaulted_values(variables: Any, is_vaulted: Any) -> set[str]:
+    """Values that were vault-encrypted (is_vaulted(value)), under any key name."""
+    found: set[str] = set()
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+        elif is_vaulted(node):
+            text = str(node)
+            if len(text) >= MIN_SECRET_LEN:
+                found.add(text)
+
+    walk(variables)
     return found
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from vllm_fleet.redact import secret_values
+from vllm_fleet.redact import all_values, secret_values, vaulted_values
 
 PROJECT_ENV = "VLLM_FLEET_PROJECT"
 FLEET_GROUP = "gpu-nodes"
@@ -159,20 +159,122 @@ def _extravars_file(name: str, base: Path | None) -> Path:
     return path.resolve()
 
 
-def secrets_in(extravars: list[dict[str, Any] | Path]) -> set[str]:
-    """Secret values from the extra vars (files are read when plain YAML/JSON)."""
+def secrets_in(extravars: list[dict[str, Any] | Path], *var_bases: Path) -> set[str]:
+    """Secret values from the extra vars and the variable files of var_bases.
+
+    var_bases: the inventory (file or directory) and the project, whose
+    group_vars/ and host_vars/ Ansible reads.
+
+    Secret-named values of plain files and mappings, and every vault-encrypted
+    value (inline !vault or a whole encrypted file), whatever its key; vaults
+    open with Ansible's own configured password file or identities.
+    """
     found: set[str] = set()
     for item in extravars:
         if isinstance(item, Path):
-            try:
-                loaded = yaml.safe_load(item.read_text())
-            except (OSError, UnicodeDecodeError, yaml.YAMLError):
-                # A vault-encrypted file: Ansible decrypts it, and tasks that
-                # use its values must no_log them.
-                continue
-            item = loaded if isinstance(loaded, dict) else {}
-        found |= secret_values(item)
+            found |= _file_secrets(item, named=True)
+        else:
+            found |= secret_values(item)
+    for base in var_bases:
+        for path in _var_files(base):
+            found |= _file_secrets(path, named=False)
     return found
+
+
+def _var_files(base: Path) -> list[Path]:
+    """group_vars/ and host_vars/ files beside an inventory file, or in a directory."""
+    folder = base if base.is_dir() else base.parent
+    files: list[Path] = []
+    for sub in ("group_vars", "host_vars"):
+        if (folder / sub).is_dir():
+            files += sorted(p for p in (folder / sub).rglob("*") if p.is_file())
+    return files
+
+
+def _file_secrets(path: Path, named: bool) -> set[str]:
+    """Vaulted values of a vars file (all of a whole-file vault); secret-named ones when named."""
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError):
+        return set()
+    if "$ANSIBLE_VAULT" not in text:
+        if not named:
+            return set()
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError:
+            return set()
+        return secret_values(loaded) if isinstance(loaded, dict) else set()
+    data = _ansible_load(path)
+    if data is None:
+        return set()
+    if text.lstrip().startswith("$ANSIBLE_VAULT"):
+        return all_values(data)
+    return vaulted_values(data, _is_vaulted) | (secret_values(data) if named else set())
+
+
+def _ansible_load(path: Path) -> Any:
+    """A vars file decrypted with Ansible's configured vault secrets, or None.
+
+    Inline !vault values come back as _Vaulted strings; a whole-file vault as
+    its plain data.
+    """
+    from ansible.errors import AnsibleError
+
+    try:
+        vault = _vault_lib()
+        text = path.read_text()
+        if text.lstrip().startswith("$ANSIBLE_VAULT"):
+            return yaml.safe_load(vault.decrypt(text.encode()))
+        return yaml.load(text, Loader=_vault_loader(vault))
+    except (AnsibleError, OSError, ValueError, yaml.YAMLError):
+        # Ansible reports a vault it cannot open itself, before any task runs.
+        return None
+
+
+def _vault_lib() -> Any:
+    """VaultLib over the password files/identities Ansible's config names."""
+    from ansible import constants
+    from ansible.parsing.dataloader import DataLoader
+    from ansible.parsing.vault import VaultLib, get_file_vault_secret
+
+    sources = (
+        [("default", constants.DEFAULT_VAULT_PASSWORD_FILE)]
+        if constants.DEFAULT_VAULT_PASSWORD_FILE
+        else []
+    )
+    for identity in constants.DEFAULT_VAULT_IDENTITY_LIST or []:
+        vault_id, _, source = identity.rpartition("@")
+        if source != "prompt":
+            sources.append((vault_id or "default", source))
+    vault_secrets = []
+    for vault_id, source in sources:
+        secret = get_file_vault_secret(filename=source, vault_id=vault_id, loader=DataLoader())
+        secret.load()
+        vault_secrets.append((vault_id, secret))
+    return VaultLib(vault_secrets)
+
+
+def _vault_loader(vault: Any) -> type[yaml.SafeLoader]:
+    """A SafeLoader that decrypts !vault scalars into _Vaulted strings."""
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    def construct(loader: yaml.SafeLoader, node: yaml.Node) -> _Vaulted:
+        ciphertext = loader.construct_scalar(node)  # type: ignore[arg-type]
+        return _Vaulted(vault.decrypt(str(ciphertext).encode()).decode())
+
+    Loader.add_constructor("!vault", construct)
+    return Loader
+
+
+class _Vaulted(str):
+    """A decrypted vault value, still known as one."""
+
+
+def _is_vaulted(value: Any) -> bool:
+    return isinstance(value, _Vaulted)
 
 
 def list_hosts(request: RunRequest, pattern: str = FLEET_GROUP) -> list[str]:

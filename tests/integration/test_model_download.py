@@ -8,7 +8,9 @@ requests per file, so "fetched nothing" and "did not refetch" are measured, not 
 
 from __future__ import annotations
 
+import contextlib
 import filecmp
+import hashlib
 import json
 import os
 import secrets
@@ -16,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -24,7 +27,14 @@ import ansible_runner
 import pytest
 
 from tests.support.hub_server import HubServer
-from tests.support.synthetic_repo import KIMI_REPO, SHARDS, build_repo, shard_name
+from tests.support.synthetic_repo import (
+    KIMI_REPO,
+    SHARDS,
+    add_hostile_listing,
+    build_repo,
+    shard_name,
+    update_repo,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 PLAYBOOK = ROOT / "tests" / "integration" / "playbooks" / "download.yml"
@@ -33,12 +43,19 @@ SHARD_BYTES = 256 * 1024
 START_TASK = "Start the download"
 VERIFY_TASK = "Check that this host sees the complete checkpoint"
 CACHE = Path(os.environ.get("VLLM_FLEET_CACHE", Path.home() / ".cache" / "vllm-fleet"))
+# Small repos of their own for the tests that change a repo or fill a disk.
+UPDATE_REPO = "nvidia/Kimi-Update-Test"
+SMALL_REPO = "nvidia/Kimi-Small-Test"
+
+sys.path.insert(0, str(ROOT / "module_utils"))
+import hf_download as hd  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def repo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     root = tmp_path_factory.mktemp("hub")
     sha = build_repo(root, KIMI_REPO, shard_bytes=SHARD_BYTES)
+    build_repo(root, SMALL_REPO, shard_bytes=1 << 20, shards=6)
     return root, sha
 
 
@@ -131,8 +148,18 @@ def changed_count(runner: Any) -> int:
     return sum(runner.stats.get("changed", {}).values())
 
 
-def assert_identical(tmp_path: Path, repo: tuple[Path, str]) -> None:
-    src = source(repo)
+def job_result(runner: Any) -> dict[str, Any]:
+    """The download job's own result, as the last follow round returned it."""
+    jobs = [
+        ev["event_data"]["res"]["job"]
+        for ev in runner.events
+        if ev["event"] == "runner_on_ok" and "job" in ev["event_data"].get("res", {})
+    ]
+    return jobs[-1]
+
+
+def assert_identical(tmp_path: Path, repo: tuple[Path, str], src: Path | None = None) -> None:
+    src = src or source(repo)
     files = sorted(p.relative_to(src).as_posix() for p in src.rglob("*") if p.is_file())
     got = sorted(
         p.relative_to(model_dir(tmp_path)).as_posix()
@@ -160,8 +187,8 @@ def test_fresh_download_verifies_and_second_run_fetches_nothing(
     assert token not in first.stdout.read()
     assert token not in json.dumps(list(first.events))
     manifest = json.loads((state_dir(tmp_path) / "manifest.json").read_text())
-    assert manifest["sha"] == repo[1] and manifest["verify"] == "full"
-    assert all("hash" in rec for rec in manifest["files"].values())
+    assert manifest["sha"] == repo[1] and manifest["version"] == 2
+    assert all(rec["digest"] and rec["stat"] for rec in manifest["files"].values())
     # Progress was reported while it ran, from the progress file.
     progress = [
         ev["event_data"]["res"]["msg"]
@@ -173,7 +200,7 @@ def test_fresh_download_verifies_and_second_run_fetches_nothing(
 
     fresh_hub.reset()
     started = time.monotonic()
-    second = run(tmp_path, fresh_hub, model_download_verify="full")
+    second = run(tmp_path, fresh_hub)
     print(f"no-op rerun: {time.monotonic() - started:.1f} s (playbook incl. venv check)")
     assert second.status == "successful", failure_messages(second)
     assert changed_count(second) == 0
@@ -286,12 +313,130 @@ def test_truncated_or_corrupted_shard_is_detected_and_repaired(
     assert repair.status == "successful", failure_messages(repair)
     assert {r.file for r in fresh_hub.requests("GET") if r.file} == {truncated.name, flipped.name}
     assert_identical(tmp_path, repo)
-    plan = [
-        ev["event_data"]["res"]
-        for ev in repair.events
-        if ev["event"] == "runner_on_ok" and ev["event_data"].get("task") == "Plan the download"
-    ]
-    assert plan[0]["damaged"] == sorted([truncated.name, flipped.name])
+    job = job_result(repair)
+    assert job["damaged"] == sorted([truncated.name, flipped.name]) and job["hashed"] == 1
+
+    # Without the manifest nothing is trusted: every file is re-hashed, none refetched.
+    (state_dir(tmp_path) / "manifest.json").unlink()
+    fresh_hub.reset()
+    rehash = run(tmp_path, fresh_hub)
+    assert rehash.status == "successful", failure_messages(rehash)
+    assert fresh_hub.count("GET", "*") == 0 and changed_count(rehash) == 0
+    job = job_result(rehash)
+    assert job["hashed"] == job["files_total"] and job["fetched"] == []
+    manifest = json.loads((state_dir(tmp_path) / "manifest.json").read_text())
+    assert all(rec["digest"] for rec in manifest["files"].values())
+
+
+def test_same_size_corrupt_bytes_from_the_hub_never_land(
+    tmp_path: Path, fresh_hub: HubServer, repo: tuple[Path, str]
+) -> None:
+    bad = shard_name(7, SHARDS)
+    fresh_hub.add_fault(kind="corrupt", path=bad, bytes=SHARD_BYTES // 2)
+    result = run(tmp_path, fresh_hub)
+    assert result.status == "failed"
+    want = hashlib.sha256((source(repo) / bad).read_bytes()).hexdigest()
+    corrupt = bytearray((source(repo) / bad).read_bytes())
+    corrupt[SHARD_BYTES // 2] ^= 0xFF
+    got = hashlib.sha256(corrupt).hexdigest()
+    messages = failure_messages(result)
+    assert any(bad in m and f"sha256 {got}, expected {want}" in m for m in messages), messages
+    assert fresh_hub.count("GET", bad) == 2  # dropped, fetched once more, then failed
+    assert not (model_dir(tmp_path) / bad).exists()
+    assert not list((state_dir(tmp_path) / "partial").rglob(bad + ".part"))
+    assert not (state_dir(tmp_path) / "manifest.json").exists()
+
+
+def test_revision_update_follows_digests_not_sizes(
+    tmp_path: Path, fresh_hub: HubServer, repo: tuple[Path, str]
+) -> None:
+    root = repo[0]
+    build_repo(root, UPDATE_REPO, shard_bytes=64 * 1024, shards=4)
+    first = run(tmp_path, fresh_hub, vllm_fleet_model_repo=UPDATE_REPO)
+    assert first.status == "successful", failure_messages(first)
+    code, shard = "modeling_kimi_k25.py", shard_name(2, 4)
+    old = (
+        root
+        / UPDATE_REPO
+        / "commits"
+        / json.loads((root / UPDATE_REPO / "refs.json").read_text())["main"]
+    )
+    changed_code = (old / code).read_bytes().replace(b"synthetic", b"SYNTHETIC")
+    changed_shard = (old / shard).read_bytes()[:-8] + b"newbytes"
+    new = update_repo(
+        root,
+        UPDATE_REPO,
+        {code: changed_code, shard: changed_shard},
+        drop=("docs/deploy_guidance.md",),
+    )
+    fresh_hub.reset()
+    moved = run(tmp_path, fresh_hub, vllm_fleet_model_repo=UPDATE_REPO, model_download_update=True)
+    assert moved.status == "successful", failure_messages(moved)
+    assert {r.file for r in fresh_hub.requests("GET") if r.file} == {code, shard}
+    assert_identical(tmp_path, repo, root / UPDATE_REPO / "commits" / new)
+    assert not (model_dir(tmp_path) / "docs").exists()
+    assert job_result(moved)["removed"] == ["docs/deploy_guidance.md"]
+
+
+def tree_snapshot(top: Path, skip: set[Path]) -> dict[str, tuple[str, int, str]]:
+    """Every entry under ``top``: kind, mtime and content digest (or link target)."""
+    snap = {}
+    for path in sorted(top.rglob("*")):
+        if path in skip:
+            continue
+        st = path.lstat()
+        if path.is_symlink():
+            kind, what = "link", os.readlink(path)
+        elif path.is_dir():
+            kind, what = "dir", ""
+        else:
+            kind, what = "file", hashlib.sha256(path.read_bytes()).hexdigest()
+        snap[path.relative_to(top).as_posix()] = (kind, st.st_mtime_ns, what)
+    return snap
+
+
+@pytest.mark.parametrize("name", ["../escape", "/abs/escape", "a/../../escape", "sub/escape"])
+def test_hostile_names_fail_before_any_write_or_delete(
+    tmp_path: Path, fresh_hub: HubServer, repo: tuple[Path, str], name: str
+) -> None:
+    ref = "hostile-" + hashlib.sha1(name.encode()).hexdigest()[:8]
+    add_hostile_listing(repo[0], KIMI_REPO, ref, [name])
+    storage = tmp_path / "shared"
+    (storage / "outside").mkdir(parents=True)
+    (storage / "escape").write_text("not yours\n")  # what ../escape would overwrite
+    (storage / "outside" / "escape").write_text("not yours either\n")
+    model_dir(tmp_path).mkdir()
+    (model_dir(tmp_path) / "sub").symlink_to(storage / "outside")  # a symlinked parent
+    state_dir(tmp_path).mkdir(parents=True)
+    opts = hd.Options(
+        repo_id=KIMI_REPO,
+        revision=ref,
+        local_dir=str(model_dir(tmp_path)),
+        state_dir=str(state_dir(tmp_path)),
+        endpoint=fresh_hub.endpoint,
+        space_margin_bytes=0,
+    )
+    lock = state_dir(tmp_path) / "download.lock"
+    lock.touch()  # the tool's own bookkeeping: only its holder line may change
+    before = tree_snapshot(tmp_path, {lock})
+    with pytest.raises(hd.DownloadError) as err:
+        hd.download(opts)
+    assert f"entry {name!r} is unsafe" in str(err.value), err.value
+    assert "Nothing was written or deleted" in str(err.value)
+    assert tree_snapshot(tmp_path, {lock}) == before
+    assert not Path("/abs/escape").exists()
+    assert fresh_hub.count("GET", "*") == 0 and fresh_hub.count("HEAD", "*") == 0
+
+
+def test_hostile_name_fails_the_play_naming_the_entry(
+    tmp_path: Path, fresh_hub: HubServer, repo: tuple[Path, str]
+) -> None:
+    add_hostile_listing(repo[0], KIMI_REPO, "hostile-play", ["a/../../escape"])
+    result = run(tmp_path, fresh_hub, vllm_fleet_model_revision="hostile-play")
+    assert result.status == "failed"
+    messages = failure_messages(result)
+    assert any("entry 'a/../../escape' is unsafe ('..' segment)" in m for m in messages), messages
+    assert not (tmp_path / "escape").exists() and not model_dir(tmp_path).exists()
 
 
 def test_storage_too_small_fails_before_downloading(
@@ -315,6 +460,65 @@ def test_storage_too_small_fails_before_downloading(
         ), messages
         assert fresh_hub.count("GET", "*") == 0 and fresh_hub.count("HEAD", "*") == 0
         assert not model_dir(tmp_path).exists() or not any(model_dir(tmp_path).iterdir())
+    finally:
+        subprocess.run(["umount", str(storage)], check=True)
+
+
+def test_disk_full_mid_transfer_keeps_partials_and_resumes_on_a_bigger_disk(
+    tmp_path: Path, fresh_hub: HubServer, repo: tuple[Path, str]
+) -> None:
+    storage = tmp_path / "shared"
+    storage.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(storage)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        opts = hd.Options(
+            repo_id=SMALL_REPO,
+            revision="main",
+            local_dir=str(model_dir(tmp_path)),
+            state_dir=str(state_dir(tmp_path)),
+            endpoint=fresh_hub.endpoint,
+            space_margin_bytes=0,
+            chunk_bytes=64 * 1024,
+        )
+        # 6 shards of 1 MB at 1 MB/s each: the disk fills (another writer) mid-transfer.
+        fresh_hub.add_fault(kind="throttle", path="model-*", rate=1 << 20)
+        filler = storage / "filler"
+
+        def fill_when_started() -> None:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                parts = list((state_dir(tmp_path) / "partial").rglob("*.part"))
+                if sum(p.stat().st_size for p in parts) > 1 << 20:
+                    break
+                time.sleep(0.05)
+            with filler.open("wb") as fh, contextlib.suppress(OSError):
+                while True:
+                    fh.write(b"\0" * (64 * 1024))
+                    fh.flush()
+
+        filling = threading.Thread(target=fill_when_started)
+        filling.start()
+        with pytest.raises(hd.DownloadError) as err:
+            hd.download(opts)
+        filling.join()
+        text = str(err.value)
+        assert "Disk full writing " + str(state_dir(tmp_path) / "partial") in text, text
+        assert "more bytes" in text and "bytes are free there" in text and "rerun to resume" in text
+        kept = {p.name: p.stat().st_size for p in (state_dir(tmp_path) / "partial").rglob("*.part")}
+        assert any(size > 0 for size in kept.values()), kept
+
+        # A bigger disk (same filesystem, grown): the rerun resumes and completes.
+        filler.unlink()
+        subprocess.run(["mount", "-o", "remount,size=64m", str(storage)], check=True)
+        fresh_hub.reset()
+        result = hd.download(opts)
+        assert result["complete"] and result["resumed"]
+        sha = json.loads((repo[0] / SMALL_REPO / "refs.json").read_text())["main"]
+        assert_identical(tmp_path, repo, repo[0] / SMALL_REPO / "commits" / sha)
     finally:
         subprocess.run(["umount", str(storage)], check=True)
 
@@ -371,7 +575,14 @@ def test_two_nodes_one_storage_domain_download_once(
     first, second = nodes.nodes
     assert task_hosts(result, START_TASK) == [first]
     assert task_hosts(result, START_TASK, "runner_on_skipped") == [second]
-    assert sorted(task_hosts(result, VERIFY_TASK)) == [first, second]
+    # The downloader's job proved its view; the other host checks its own.
+    assert task_hosts(result, VERIFY_TASK) == [second]
+    facts = [
+        (ev["event_data"]["host"], ev["event_data"]["res"].get("ansible_facts", {}))
+        for ev in result.events
+        if ev["event"] == "runner_on_ok"
+    ]
+    assert sorted(h for h, f in facts if f.get("model_download_sha") == repo[1]) == [first, second]
     gets = [r.file for r in fresh_hub.requests("GET") if r.file]
     assert len(gets) == len(set(gets)) == sum(1 for p in source(repo).rglob("*") if p.is_file())
     # The host side of the shared storage holds the complete, identical checkpoint.

@@ -109,7 +109,7 @@ def test_rtx_pro_6000_drops_fp8_and_uses_pcie_nccl(tmp_path: Path, kimi_on_disk:
     assert plan["device"] == "cuda" and plan["gpu_count"] == 8
     assert plan["kv_cache_quant"] == "absent"
     assert plan["checkpoint_kv_cache_quant"] == "fp8" and plan["checkpoint_source"] == "checkpoint"
-    assert plan["compat_rule"] == "sm120-mla-fp8-before-pr34597"
+    assert plan["compat_rule"] == "sm11-sm12-mla-fp8-before-pr34597"
     assert plan["expected_attention_backend"] == "TRITON_MLA"
     assert plan["nccl_env"] == {"NCCL_P2P_LEVEL": "SYS", "NCCL_PROTO": "LL", "NCCL_IB_DISABLE": "1"}
     assert plan["tensor_parallel_size"] == 8 and plan["health_timeout_s"] == 2700
@@ -173,7 +173,7 @@ def test_cpu_device_skips_gpus_and_drops_fp8_on_mla(tmp_path: Path) -> None:
     result = task_result(runner, PLAN_TASK)
     plan = result["plan"]
     assert (plan["device"], plan["gpu_count"], plan["checkpoint_source"]) == ("cpu", 0, "profile")
-    assert (plan["kv_cache_quant"], plan["compat_rule"]) == ("absent", "cpu-mla-fp8")
+    assert (plan["kv_cache_quant"], plan["compat_rule"]) == ("absent", "cpu-mla-quantized")
     assert plan["nccl_env"] == {} and result["checks"]["memory_bytes"] > 0
     skipped = [
         ev["event_data"]["task"] for ev in runner.events if ev["event"] == "runner_on_skipped"

@@ -170,7 +170,11 @@ def inventory(
     return {
         "gpu-nodes": {
             "hosts": hosts,
-            "vars": {"ansible_connection": "containers.podman.podman"},
+            # Throwaway local containers: no SSH host key to verify.
+            "vars": {
+                "ansible_connection": "containers.podman.podman",
+                "ansible_host_key_checking": False,
+            },
         }
     }
 
@@ -186,6 +190,8 @@ def ssh_inventory(nodes: int = DEFAULT_NODES, prefix: str = DEFAULT_PREFIX, *, k
         "ansible_host": "127.0.0.1",
         "ansible_user": "root",
         "ansible_ssh_private_key_file": str(key),
+        # Fresh host keys on every test run: nothing to verify them against.
+        "ansible_host_key_checking": False,
     }
     return inv
 

@@ -59,6 +59,8 @@ class Fault:
       ``close_after`` send full headers, then ``bytes`` body bytes, then drop the connection.
       ``short``       declare and send ``bytes`` fewer bytes than the file has (truncated body).
       ``throttle``    send the body at ``rate`` bytes per second.
+      ``corrupt``     send the file with the byte at offset ``bytes`` flipped: same size,
+                      same headers (the listing's true digest), wrong content.
     ``times``: how many requests it applies to (-1: all). ``method``: GET, HEAD or ``*``.
     """
 
@@ -368,6 +370,8 @@ class Handler(BaseHTTPRequestHandler):
             limit = min(length, fault.bytes)
         rate = fault.rate if fault is not None and fault.kind == "throttle" else 0.0
         sent = 0
+        if fault is not None and fault.kind == "corrupt":
+            return self._send_corrupt(local, start, limit, fault.bytes)
         with local.open("rb") as fh:
             if rate <= 0:
                 # sendfile keeps the server off the CPU the client needs (2-core machines).
@@ -391,6 +395,15 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             self.connection.shutdown(2)
         return sent
+
+    def _send_corrupt(self, local: Path, start: int, length: int, offset: int) -> int:
+        with local.open("rb") as fh:
+            fh.seek(start)
+            body = bytearray(fh.read(length))
+        if start <= offset < start + len(body):
+            body[offset - start] ^= 0xFF
+        self.wfile.write(bytes(body))
+        return len(body)
 
     # --- control ------------------------------------------------------------
     def _control(self, method: str, path: str) -> None:

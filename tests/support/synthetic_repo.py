@@ -17,7 +17,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from tests.support.hub_server import commit_files
+from tests.support.hub_server import FileMeta, commit_files
 from tests.support.kimi_checkpoint import write_kimi_configs
 
 KIMI_REPO = "nvidia/Kimi-K2.5-NVFP4"
@@ -106,6 +106,53 @@ def build_repo(
     (staging / "docs" / "deploy_guidance.md").write_text("Serve with vLLM.\n")
 
     return commit_files(repo_dir, staging, tags, move=True)
+
+
+def update_repo(
+    root: Path,
+    repo_id: str,
+    changes: dict[str, bytes],
+    drop: tuple[str, ...] = (),
+    tags: tuple[str, ...] = (),
+) -> str:
+    """A new ``main`` commit: the current one with ``changes`` written and ``drop`` removed.
+
+    Tests use same-size changes, so nothing but a digest can tell the commits apart.
+    """
+    repo_dir = root / repo_id
+    current = json.loads((repo_dir / "refs.json").read_text())["main"]
+    staging = repo_dir / "commits" / "staging"
+    if staging.exists():
+        shutil.rmtree(staging)
+    shutil.copytree(repo_dir / "commits" / current, staging)
+    for name, data in changes.items():
+        (staging / name).write_bytes(data)
+    for name in drop:
+        (staging / name).unlink()
+    return commit_files(repo_dir, staging, tags, move=True)
+
+
+def add_hostile_listing(root: Path, repo_id: str, ref: str, names: list[str]) -> str:
+    """A commit whose listing also names ``names`` (hostile paths, never served as files).
+
+    Its files are the ``main`` commit's (a symlink to that directory); only the listing
+    (``<sha>.meta.json``) carries the extra names, as a compromised mirror's would.
+    """
+    repo_dir = root / repo_id
+    refs = json.loads((repo_dir / "refs.json").read_text())
+    base = refs["main"]
+    meta = json.loads((repo_dir / "commits" / f"{base}.meta.json").read_text())
+    for name in names:
+        meta[name] = FileMeta(size=7, oid=hashlib.sha1(name.encode()).hexdigest(), sha256=None)
+        meta[name] = meta[name].__dict__
+    sha = hashlib.sha1(json.dumps(meta, sort_keys=True).encode()).hexdigest()
+    link = repo_dir / "commits" / sha
+    if not link.exists():
+        link.symlink_to(repo_dir / "commits" / base)
+    (repo_dir / "commits" / f"{sha}.meta.json").write_text(json.dumps(meta))
+    refs[ref] = sha
+    (repo_dir / "refs.json").write_text(json.dumps(refs, indent=2) + "\n")
+    return sha
 
 
 def main(argv: list[str] | None = None) -> None:

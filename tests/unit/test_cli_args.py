@@ -74,6 +74,12 @@ def test_patch_config_runs_deploy_with_its_tag_only() -> None:
     assert exc.value.code == 2
 
 
+def test_verify_runs_the_download_step_with_a_full_rehash() -> None:
+    req = request("verify", "-i", str(LOCAL), "--check", "-e", "a=1")
+    assert (req.playbook, req.tags, req.check) == ("deploy.yml", "download", True)
+    assert req.extravars == [{"model_download_verify": "full"}, {"a": "1"}]
+
+
 def test_rollback_release_and_confirmation_vars() -> None:
     req = request("rollback", "-i", str(LOCAL), "--release", "20261129T1400Z", "--yes")
     assert req.playbook == "rollback.yml"

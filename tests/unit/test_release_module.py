@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import stat
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -204,3 +208,113 @@ def test_new_id_sorts_in_recording_order() -> None:
     assert vllm_release.new_id("ff" * 32, -5.0, {first, same}) > same
     assert vllm_release.new_id("00" * 32, 61.5, {first}) == "19700101T000101500Z-00000000"
     assert vllm_release.id_time_ms("19700101T000101500Z-00000000") == 61500
+
+
+MODULE_PATH = Path(vllm_release.__file__)
+
+
+def run_killed(args: dict[str, Any], step: str | None) -> subprocess.CompletedProcess:
+    """The module as Ansible runs it (its own process), SIGKILLed after ``step``."""
+    args_file = Path(args["path"]).parent / f"args-{time.monotonic_ns()}.json"
+    args_file.write_text(json.dumps({"ANSIBLE_MODULE_ARGS": args}))
+    env = {k: v for k, v in os.environ.items() if k != vllm_release.CRASH_HOOK}
+    if step is not None:
+        env[vllm_release.CRASH_HOOK] = step
+    return subprocess.run(
+        [sys.executable, str(MODULE_PATH), str(args_file)],
+        env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+
+
+def pointers(root: Path) -> tuple[str, str]:
+    found = vllm_release.read_pointers(str(root))
+    return found["current"], found["previous"]
+
+
+RECORD_STEPS = ["release-written", "pointer-staged", "pointer-switched", "link-current",
+                "link-previous", "pruned"]  # fmt: skip
+SELECT_STEPS = ["pointer-staged", "pointer-switched", "link-current", "link-previous"]
+
+
+@pytest.mark.parametrize("step", RECORD_STEPS)
+def test_a_crash_at_any_step_of_a_record_leaves_the_old_or_the_new_pair(
+    node: dict[str, Path], step: str
+) -> None:
+    record(node)
+    node["unit"].write_text(UNIT.replace("8001", "8002"))
+    b = record(node, keep=2)["id"]
+    a_id = record_ids(node)[0]
+    node["unit"].write_text(UNIT.replace("8001", "8003"))
+    args = {
+        "path": str(node["root"]),
+        "state": "recorded",
+        "files": {"unit": str(node["unit"]), "env": str(node["env"])},
+        "metadata": META,
+        "keep": 2,
+    }
+    done = run_killed(args, step)
+    assert done.returncode == -signal.SIGKILL, done.stdout + done.stderr
+    after = pointers(node["root"])
+    new = [r for r in record_ids(node) if r not in (a_id, b)]
+    if step in ("release-written", "pointer-staged"):
+        assert after == (b, a_id)
+    else:
+        assert after == (new[0], b)
+    assert after[0] != after[1]
+    # A rollback after the crash moves the node (never a no-op), and the rerun
+    # of the interrupted record converges on the new release.
+    back = run({"path": str(node["root"]), "state": "selected", "release": "previous"})
+    assert back["changed"] and (back["current"], back["previous"]) == (after[1], after[0])
+    assert os.readlink(node["root"] / "current") == after[1]
+    rerun = run_killed(args, None)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    final = json.loads(rerun.stdout)
+    assert pointers(node["root"]) == (final["id"], after[1])
+    assert os.readlink(node["root"] / "current") == final["id"]
+    assert len(record_ids(node)) <= 3
+    # What the killed run half-wrote is gone after the rerun.
+    assert not list(node["root"].glob(".*tmp-*"))
+
+
+@pytest.mark.parametrize("step", SELECT_STEPS)
+def test_a_crash_at_any_step_of_a_rollback_leaves_the_old_or_the_new_pair(
+    node: dict[str, Path], step: str
+) -> None:
+    a = record(node)["id"]
+    node["unit"].write_text(UNIT.replace("8001", "8002"))
+    b = record(node)["id"]
+    args = {"path": str(node["root"]), "state": "selected", "release": "previous"}
+    done = run_killed(args, step)
+    assert done.returncode == -signal.SIGKILL, done.stdout + done.stderr
+    after = pointers(node["root"])
+    assert after == ((b, a) if step == "pointer-staged" else (a, b))
+    # The symlink view lags at most until the next run, which heals it.
+    again = run_killed(args, None)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert pointers(node["root"]) == (after[1], after[0])
+    assert os.readlink(node["root"] / "current") == after[1]
+    assert os.readlink(node["root"] / "previous") == after[0]
+
+
+def test_the_older_two_symlink_layout_is_read_and_upgraded(node: dict[str, Path]) -> None:
+    a = record(node)["id"]
+    node["unit"].write_text(UNIT.replace("8001", "8002"))
+    b = record(node)["id"]
+    # What earlier versions left: two symlinks and no pointer record.
+    (node["root"] / vllm_release.POINTER_RECORD).unlink()
+    assert pointers(node["root"]) == (b, a)
+    back = run({"path": str(node["root"]), "state": "selected", "release": "previous"})
+    assert (back["current"], back["previous"]) == (a, b)
+    record_file = json.loads((node["root"] / vllm_release.POINTER_RECORD).read_text())
+    assert record_file == {"current": a, "previous": b}
+
+
+def test_an_unreadable_pointer_record_fails_clearly(node: dict[str, Path]) -> None:
+    record(node)
+    (node["root"] / vllm_release.POINTER_RECORD).write_text("{not json")
+    msg = run_fail({"path": str(node["root"]), "state": "selected", "release": "previous"})
+    assert "pointers.json: unreadable pointer record" in msg
+
+
+def record_ids(node: dict[str, Path]) -> list[str]:
+    return vllm_release.list_releases(str(node["root"]))

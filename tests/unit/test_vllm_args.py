@@ -172,3 +172,10 @@ def test_role_diagnoses_match_real_journal_lines(name: str) -> None:
         assert found, line
         assert found[0]["name"] == name
         assert found[0]["lines"] == [line]
+
+
+def test_systemd_path_quote() -> None:
+    assert vllm_args.systemd_path_quote("/srv/models/kimi") == "/srv/models/kimi"
+    assert vllm_args.systemd_path_quote("/srv/a b/100%") == '"/srv/a b/100%%"'
+    with pytest.raises(ValueError, match="not an absolute path"):
+        vllm_args.systemd_path_quote("models/kimi")

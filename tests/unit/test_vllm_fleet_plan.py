@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -18,7 +19,7 @@ from tests.support.ansible_module import (  # noqa: F401 (patch_ansible_module: 
     patch_ansible_module,
     run_module,
 )
-from tests.support.kimi_checkpoint import write_kimi_checkpoint, write_kimi_configs
+from tests.support.kimi_checkpoint import kimi_config, write_kimi_checkpoint, write_kimi_configs
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "nvidia-smi"
@@ -206,7 +207,7 @@ def test_cpu_device_checks_memory_not_gpus(storage: Path) -> None:
                       declared_kv_cache_quant="fp8", checkpoint_bytes=10**15))  # fmt: skip
     plan = result["plan"]
     assert (plan["device"], plan["kv_cache_quant"], plan["gpu_count"]) == ("cpu", "absent", 0)
-    assert plan["compat_rule"] == "cpu-mla-fp8"
+    assert plan["compat_rule"] == "cpu-mla-quantized"
     assert result["problems"][0].startswith("host memory")
     assert not any("GPU" in p or "driver" in p for p in result["problems"])
 
@@ -242,3 +243,127 @@ def test_module_docs_parse(name: str) -> None:
     for option in doc["options"]:
         pattern = rf'"{option}": {{\s*"type"'
         assert re.search(pattern, source), f"{option} documented but not in argument_spec"
+
+
+# ---- KV memory before the load (Kimi-K2.5's real text_config: 61 layers, MLA 512 + 64)
+
+KIMI_LAYOUT = yaml.safe_load((ROOT / "playbooks/models/kimi-k2.5-nvfp4.yml").read_text())[
+    "vllm_fleet_model_kv_layout"
+]
+H100_80GB_MIB = 81559  # nvidia-smi memory.total of an H100 80GB HBM3
+
+
+def kimi_on_disk(storage: Path) -> None:
+    """The Kimi-shaped checkpoint with the real shard index total (540 GB)."""
+    write_kimi_checkpoint(storage / "kimi")
+    index_path = storage / "kimi" / "model.safetensors.index.json"
+    index = yaml.safe_load(index_path.read_text())
+    index["metadata"]["total_size"] = KIMI_BYTES
+    index_path.write_text(json.dumps(index))
+
+
+def gpus_80gb(fixture: str, cc: str | None = None) -> dict[str, Any]:
+    facts = gpu(fixture)
+    for g in facts["gpus"]:
+        g["memory_mib"] = H100_80GB_MIB
+        g["compute_capability"] = cc or g["compute_capability"]
+    return facts
+
+
+def test_kimi_config_matches_the_profile_layout() -> None:
+    text = kimi_config()["text_config"]
+    assert {k: text[k] for k in KIMI_LAYOUT} == KIMI_LAYOUT
+
+
+def test_kimi_full_context_fits_8x_96gb_with_bf16_kv(storage: Path) -> None:
+    kimi_on_disk(storage)
+    result = run(args(storage, vllm_version="0.16.0"))
+    kv = result["checks"]["kv_memory"]
+    assert result["problems"] == []
+    assert result["plan"]["kv_cache_quant"] == "absent"  # FP8 dropped: bf16, 2 bytes
+    # (512 + 64) x 61 x 2 B; the whole 262,144-token context = 17.2 GiB per GPU.
+    assert kv["kv_bytes_per_token"] == 70272
+    assert (kv["max_model_len"], kv["fits"]) == (262144, True)
+    assert kv["weights_per_gpu_bytes"] == KIMI_BYTES // 8
+    # 97887 MiB x 0.9 - 67.5 GB weights - 4 GiB overhead = 19.17 GiB -> 292,901 tokens.
+    assert kv["largest_fitting_len"] == 292901
+
+
+def test_kimi_full_context_refused_on_8x_80gb_with_bf16_kv(storage: Path) -> None:
+    kimi_on_disk(storage)
+    result = run(args(storage, vllm_version="0.16.0", gpu=gpus_80gb("a100-mig-x2")
+                      | {"gpu_count": 8}, tensor_parallel_size=8))  # fmt: skip
+    (problem,) = [p for p in result["problems"] if "max-model-len" in p]
+    assert "max-model-len 262144 needs 17.2 GiB of KV cache per GPU" in problem
+    assert "MLA (512 + 64) x 61 layers x 2 B = 70272 B/token" in problem
+    assert "only 4.8 GiB is left" in problem
+    assert "the largest context that fits is 73624 tokens" in problem
+
+
+def test_fp8_kv_kept_halves_the_need_but_80gb_still_refuses(storage: Path) -> None:
+    kimi_on_disk(storage)
+    facts = gpus_80gb("h200-x8")  # SM90 keeps the checkpoint's FP8 KV: 1 byte
+    result = run(args(storage, vllm_version="0.16.0", gpu=facts))
+    assert result["plan"]["kv_cache_quant"] == "original"
+    kv = result["checks"]["kv_memory"]
+    assert (kv["kv_bytes_per_token"], kv["largest_fitting_len"]) == (35136, 147249)
+    assert any("largest context that fits is 147249 tokens" in p for p in result["problems"])
+
+
+def test_smaller_max_model_len_fits_on_80gb(storage: Path) -> None:
+    kimi_on_disk(storage)
+    result = run(args(storage, vllm_version="0.16.0", gpu=gpus_80gb("h200-x8"),
+                      max_model_len=131072))  # fmt: skip
+    assert result["problems"] == [] and result["checks"]["kv_memory"]["fits"] is True
+
+
+def test_explicit_kv_cache_dtype_wins(storage: Path) -> None:
+    kimi_on_disk(storage)
+    kv = run(args(storage, vllm_version="0.16.0", kv_cache_dtype="fp8_e4m3"))["checks"]["kv_memory"]
+    assert kv["kv_bytes_per_token"] == 35136
+
+
+def test_profile_layout_sizes_kv_before_download(storage: Path) -> None:
+    result = run(args(storage, vllm_version="0.16.0", gpu=gpus_80gb("h200-x8", cc="12.0"),
+                      declared_attention="mla", declared_kv_cache_quant="fp8",
+                      declared_kv_layout=KIMI_LAYOUT, checkpoint_bytes=1000))  # fmt: skip
+    # 1000 bytes of weights: the 262,144-token context in bf16 (17.2 GiB) fits 80 GB.
+    assert result["checks"]["kv_memory"]["kv_bytes_per_token"] == 70272
+    assert result["problems"] == []
+    unsized = run(args(storage, declared_attention="mla", checkpoint_bytes=1000))
+    assert unsized["checks"]["kv_memory"].startswith("skipped")
+
+
+def test_cpu_device_is_not_sized_by_gpu_memory(storage: Path) -> None:
+    kimi_on_disk(storage)
+    result = run(args(storage, device="cpu", gpu={}, checkpoint_bytes=1000,
+                      min_kv_cache_bytes=0, cpu_overhead_bytes=0))  # fmt: skip
+    assert "kv_memory" not in result["checks"]
+    assert not any("max-model-len" in p for p in result["problems"])
+
+
+def test_bad_config_for_kv_sizing_is_a_clear_problem(storage: Path) -> None:
+    result = run(args(storage, declared_attention="mla", checkpoint_bytes=1000,
+                      declared_kv_layout={"kv_lora_rank": 512}))  # fmt: skip
+    assert any(
+        "cannot size the KV cache from the checkpoint config" in p and "num_hidden_layers" in p
+        for p in result["problems"]
+    )
+
+
+@pytest.mark.parametrize(
+    ("p2p", "car", "want_env_key", "want_car"),
+    [("", "", "NCCL_P2P_LEVEL", False), ("true", "", "NCCL_P2P_DISABLE", True),
+     (True, False, "NCCL_P2P_DISABLE", False), ("", "yes", "NCCL_P2P_LEVEL", True)],
+)  # fmt: skip
+def test_nccl_profile_switches(
+    storage: Path, p2p: object, car: object, want_env_key: str, want_car: bool
+) -> None:
+    write_kimi_checkpoint(storage / "kimi")
+    plan = run(args(storage, nccl_p2p_disable=p2p, disable_custom_all_reduce=car))["plan"]
+    assert want_env_key in plan["nccl_env"]
+    assert plan["disable_custom_all_reduce"] is want_car
+
+
+def test_nccl_switch_garbage_is_refused(storage: Path) -> None:
+    assert "maybe" in fail(args(storage, nccl_p2p_disable="maybe"))

@@ -92,6 +92,7 @@ def test_kimi_unit_has_plan_args_env_and_restart_policy(loader: DataLoader, venv
     ):
         assert expected in exec_start
     assert "--kv-cache-dtype" not in exec_start
+    assert "--disable-custom-all-reduce" not in exec_start
     env = directive(unit, "Environment")
     assert "NCCL_PROTO=LL" in env
     assert "NCCL_P2P_LEVEL=SYS" in env
@@ -101,6 +102,18 @@ def test_kimi_unit_has_plan_args_env_and_restart_policy(loader: DataLoader, venv
     assert directive(unit, "TimeoutStartSec") == ["2700"]
     assert directive(unit, "User") == ["vllm"]
     assert directive(unit, "EnvironmentFile") == ["/etc/vllm-fleet/kimi-k2.5.env"]
+
+
+def test_p2p_disabled_plan_adds_flag_and_env(loader: DataLoader, venv: Path) -> None:
+    plan = {
+        "tensor_parallel_size": 8,
+        "nccl_env": {"NCCL_PROTO": "LL", "NCCL_P2P_DISABLE": "1"},
+        "disable_custom_all_reduce": True,
+    }
+    unit = render(loader, "vllm.service.j2", vllm_fleet_plan=plan, vllm_service_venv=str(venv))
+    (exec_start,) = directive(unit, "ExecStart")
+    assert exec_start.count("--disable-custom-all-reduce") == 1
+    assert "NCCL_P2P_DISABLE=1" in directive(unit, "Environment")
 
 
 def test_unit_never_carries_secrets(loader: DataLoader, venv: Path) -> None:
@@ -174,3 +187,36 @@ def test_verify_catches_a_broken_unit(tmp_path: Path) -> None:
         ["systemd-analyze", "verify", str(path)], capture_output=True, check=False
     )
     assert result.returncode != 0
+
+
+def test_unit_is_sandboxed_but_keeps_what_gpus_need(loader: DataLoader, venv: Path) -> None:
+    unit = render(
+        loader,
+        "vllm.service.j2",
+        vllm_service_venv=str(venv),
+        vllm_service_model_dir="/mnt/models/kimi 100%",
+    )
+    assert directive(unit, "RequiresMountsFor") == ['"/mnt/models/kimi 100%%"']
+    assert directive(unit, "UMask") == ["0077"]
+    assert directive(unit, "ProtectSystem") == ["strict"]
+    assert directive(unit, "CapabilityBoundingSet") == [""]
+    # GPUs: /dev/nvidia* stays reachable and JIT compilers may map W+X memory.
+    for absent in ("PrivateDevices", "DevicePolicy", "MemoryDenyWriteExecute", "PrivateUsers"):
+        assert directive(unit, absent) == [], absent
+
+
+@pytest.mark.skipif(
+    shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed here"
+)
+def test_systemd_rates_the_unit_exposure_ok(loader: DataLoader, venv: Path, tmp_path: Path) -> None:
+    """The same rating the Molecule scenario asserts on the installed unit."""
+    path = tmp_path / "vllm-kimi-k2.5.service"
+    path.write_text(render(loader, "vllm.service.j2", vllm_service_venv=str(venv)))
+    result = subprocess.run(
+        ["systemd-analyze", "security", "--offline=true", "--no-pager", str(path)],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    if "--offline" in result.stderr:
+        pytest.skip("this systemd-analyze has no --offline (systemd < 250)")
+    score = float(result.stdout.rsplit("exposure level for", 1)[1].split(":")[1].split()[0])
+    assert score <= 4.5, result.stdout

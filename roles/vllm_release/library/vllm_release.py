@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import stat
 import tempfile
 import time
@@ -27,9 +28,15 @@ description:
     node ran: vLLM venv and version, model path and revision, the checkpoint's
     quant-config state, a digest) and byte-exact copies of the files that
     define the service (the systemd unit, the secrets environment file).
-  - Two symlinks name releases, C(current) (what the node runs now) and
-    C(previous) (what it ran before); a rollback selects C(previous), which
-    makes the two trade places, so a second rollback returns.
+  - One pointer record, C(pointers.json), names two releases, C(current) (what
+    the node runs now) and C(previous) (what it ran before); a rollback selects
+    C(previous), which makes the two trade places, so a second rollback returns.
+  - The record changes in one step (a new file fsynced, then renamed over the
+    old one), so a crash at any point leaves the old pair or the new one. The
+    C(current) and C(previous) symlinks beside it are a view of the record,
+    refreshed after each switch. Release directories of the older two-symlink
+    layout (no record yet) are read from those symlinks and upgraded on the
+    next switch.
   - O(state=recorded) records the node's state as a new release and points
     C(current) at it, unless C(current) already has the same digest (a rerun
     that changed nothing records nothing). Then prunes to the newest
@@ -205,6 +212,10 @@ pruned:
 ID_RE = re.compile(r"^[0-9]{8}T[0-9]{9}Z-[0-9a-f]{8}$")
 RELEASE_JSON = "release.json"
 POINTERS = ("current", "previous")
+# The one pointer record: {"current": id, "previous": id}, replaced atomically.
+POINTER_RECORD = "pointers.json"
+# Test hook: the module SIGKILLs itself after the step this names.
+CRASH_HOOK = "VLLM_RELEASE_CRASH_AFTER"
 RESERVED = frozenset({"id", "time", "digest", "files", "info", "previous"})
 
 
@@ -285,29 +296,106 @@ def list_releases(root: str) -> list[str]:
     )
 
 
-def read_pointer(root: str, name: str) -> str:
-    """The id a pointer names, or '' when it is missing or names no release."""
-    path = os.path.join(root, name)
-    if os.path.islink(path):
-        target = os.readlink(path)
-    elif os.path.isfile(path):
-        with open(path) as handle:
-            target = handle.read().strip()
-    else:
-        return ""
-    target = os.path.basename(target.rstrip("/"))
+def _release_id(root: str, target: str) -> str:
+    """target as a recorded release id, or '' when it names no complete release."""
+    target = os.path.basename(str(target).rstrip("/"))
     if not ID_RE.match(target) or not os.path.isfile(os.path.join(root, target, RELEASE_JSON)):
         return ""
     return target
 
 
-def write_pointer(root: str, name: str, release_id: str) -> None:
-    """Point `name` at a release atomically (a relative symlink, renamed into place)."""
-    tmp = os.path.join(root, f".{name}.tmp-{os.getpid()}")
-    if os.path.lexists(tmp):
-        os.unlink(tmp)
-    os.symlink(release_id, tmp)
-    os.replace(tmp, os.path.join(root, name))
+def _legacy_pointer(root: str, name: str) -> str:
+    """A pointer of the two-symlink layout (releases recorded before the pointer record)."""
+    path = os.path.join(root, name)
+    if os.path.islink(path):
+        return _release_id(root, os.readlink(path))
+    if os.path.isfile(path):
+        with open(path) as handle:
+            return _release_id(root, handle.read().strip())
+    return ""
+
+
+def read_pointers(root: str) -> dict[str, str]:
+    """current and previous: from the pointer record, else the legacy symlinks."""
+    path = os.path.join(root, POINTER_RECORD)
+    if not os.path.isfile(path):
+        return {name: _legacy_pointer(root, name) for name in POINTERS}
+    try:
+        with open(path) as handle:
+            data = json.load(handle)
+    except (OSError, ValueError) as exc:
+        raise ReleaseError(f"{path}: unreadable pointer record: {exc}") from None
+    if not isinstance(data, dict):
+        raise ReleaseError(f"{path}: not a pointer record (expected current and previous)")
+    return {name: _release_id(root, data.get(name) or "") for name in POINTERS}
+
+
+def read_pointer(root: str, name: str) -> str:
+    """The id a pointer names, or '' when it is missing or names no release."""
+    return read_pointers(root)[name]
+
+
+def _crash_point(step: str) -> None:
+    """Die here, as a crash or power loss would, when the test hook names this step."""
+    if os.environ.get(CRASH_HOOK) == step:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_pointers(root: str, current: str, previous: str) -> None:
+    """Switch current and previous together: one record, replaced by one rename.
+
+    A crash before the rename leaves the old pair, after it the new pair. The
+    current/previous symlinks are only a view of the record (for people and
+    the status play), refreshed after it and again on the next switch.
+    """
+    _remove_stale_temporaries(root)
+    tmp = os.path.join(root, f".{POINTER_RECORD}.tmp-{os.getpid()}")
+    with open(tmp, "w") as handle:
+        json.dump({"current": current, "previous": previous}, handle, sort_keys=True)
+        handle.write("\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.chmod(tmp, 0o644)
+    _crash_point("pointer-staged")
+    os.replace(tmp, os.path.join(root, POINTER_RECORD))
+    _fsync_dir(root)
+    _crash_point("pointer-switched")
+    sync_links(root, {"current": current, "previous": previous})
+
+
+def _remove_stale_temporaries(root: str) -> None:
+    """Half-written pointer files a killed run left (never read by anyone)."""
+    prefixes = tuple(f".{name}.tmp-" for name in (POINTER_RECORD, *POINTERS))
+    for entry in os.listdir(root):
+        if entry.startswith(prefixes):
+            os.unlink(os.path.join(root, entry))
+
+
+def sync_links(root: str, pointers: dict[str, str]) -> None:
+    """The current/previous symlinks as the record says (removed when it names none)."""
+    for name in POINTERS:
+        path = os.path.join(root, name)
+        target = pointers[name]
+        if os.path.islink(path) and os.readlink(path) == target:
+            continue
+        if not target:
+            if os.path.lexists(path):
+                os.unlink(path)
+            continue
+        tmp = os.path.join(root, f".{name}.tmp-{os.getpid()}")
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        os.symlink(target, tmp)
+        os.replace(tmp, path)
+        _crash_point(f"link-{name}")
 
 
 def load_release(root: str, release_id: str) -> dict[str, Any]:
@@ -380,14 +468,15 @@ def remove_releases(root: str, ids: list[str]) -> None:
 
 
 def base_result(root: str) -> dict[str, Any]:
+    pointers = read_pointers(root)
     return {
         "changed": False,
         "found": False,
         "id": "",
         "release_dir": "",
         "release": {},
-        "current": read_pointer(root, "current"),
-        "previous": read_pointer(root, "previous"),
+        "current": pointers["current"],
+        "previous": pointers["previous"],
         "releases": list_releases(root),
         "pruned": [],
     }
@@ -439,10 +528,10 @@ def record(params: dict[str, Any], check_mode: bool) -> dict[str, Any]:
     if check_mode:
         return result
     write_release(root, release_id, release, records)
-    if current:
-        write_pointer(root, "previous", current)
-    write_pointer(root, "current", release_id)
+    _crash_point("release-written")
+    write_pointers(root, result["current"], result["previous"])
     remove_releases(root, pruned)
+    _crash_point("pruned")
     return result
 
 
@@ -488,14 +577,17 @@ def select(params: dict[str, Any], check_mode: bool) -> dict[str, Any]:
     )
     result["diff"]["after"] = pointers_text(result["current"], result["previous"])
     if not check_mode:
-        write_pointer(root, "current", result["id"])
-        if current:
-            write_pointer(root, "previous", current)
+        write_pointers(root, result["current"], result["previous"])
     return result
 
 
 def run(module: AnsibleModule) -> dict[str, Any]:
     params = module.params
+    root = params["path"]
+    writes = params["state"] != "query" and not module.check_mode
+    if writes and os.path.isfile(os.path.join(root, POINTER_RECORD)):
+        # Heal the symlink view after a crash between the switch and its refresh.
+        sync_links(root, read_pointers(root))
     if params["state"] == "recorded":
         return record(params, module.check_mode)
     if params["state"] == "selected":

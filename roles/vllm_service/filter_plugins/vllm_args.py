@@ -19,6 +19,7 @@ description:
   - C(systemd_exec_quote) quotes an argv list for C(ExecStart=).
   - C(systemd_env_quote) quotes C(KEY=value) assignments for C(Environment=).
   - C(systemd_envfile_quote) quotes a value for an C(EnvironmentFile=) line.
+  - C(systemd_path_quote) quotes one absolute path for C(RequiresMountsFor=).
   - C(vllm_diagnose) matches journal lines against diagnosis patterns.
 """
 
@@ -97,6 +98,14 @@ def systemd_env_quote(env: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def systemd_path_quote(path: Any) -> str:
+    """Quote one absolute path for a path-list setting such as RequiresMountsFor=."""
+    text = str(path)
+    if not text.startswith("/"):
+        raise ValueError(f"{text!r} is not an absolute path")
+    return _systemd_word(text, dollar=False)
+
+
 def _env_value(value: Any) -> str:
     if value is True or value is False:
         return "1" if value else "0"
@@ -143,5 +152,6 @@ class FilterModule:
             "systemd_exec_quote": systemd_exec_quote,
             "systemd_env_quote": systemd_env_quote,
             "systemd_envfile_quote": systemd_envfile_quote,
+            "systemd_path_quote": systemd_path_quote,
             "vllm_diagnose": vllm_diagnose,
         }

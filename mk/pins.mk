@@ -1,0 +1,7 @@
+# Every vLLM pin (group_vars, inventories, model profiles) has a wheel on its
+# index for the nodes' Python and platform: read from the index's listing.
+.PHONY: check-pins
+check-pins: venv
+	$(BIN)/python tools/check_pins.py
+
+test: check-pins
