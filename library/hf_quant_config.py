@@ -40,9 +40,15 @@ description:
     (key order, indentation, number formatting, escapes, trailing newline)
     stays as it was. All files are read and validated before any is written;
     each write is a temporary file plus an atomic rename.
-  - Before a file is first changed, a pristine copy goes to O(backup_dir).
-    Copies are named by content hash and never overwritten, so a later run
-    (or a re-downloaded, newer revision) cannot replace the copy that
+  - On a view (a directory built by M(checkpoint_view), marked by its
+    C(.vllm-fleet-view.json)), the checkpoint the view mirrors is the pristine
+    copy: nothing is backed up and O(kv_cache_quant=original) copies the
+    checkpoint's bytes back. A config file that is still a symlink (into the
+    shared checkpoint) is never written through: the module fails instead.
+  - On a plain directory (a checkpoint patched in place by an earlier version
+    of this toolkit), before a file is first changed, a pristine copy goes to
+    O(backup_dir). Copies are named by content hash and never overwritten, so a
+    later run (or a re-downloaded, newer revision) cannot replace the copy that
     O(kv_cache_quant=original) restores from.
 version_added: "0.1.0"
 author:
@@ -50,7 +56,8 @@ author:
 options:
   model_dir:
     description:
-      - The checkpoint directory (the one holding C(config.json)).
+      - The directory vLLM loads (holding C(config.json)): a view of the
+        checkpoint, or a plain checkpoint directory.
     type: path
     required: true
   kv_cache_quant:
@@ -87,7 +94,7 @@ options:
 notes:
   - Supports check mode (nothing is written, the result says what would
     change) and diff mode (before and after text per changed file).
-  - The module changes the checkpoint's files; restart the server that
+  - The module changes the files of O(model_dir); restart the server that
     reads them for the change to take effect.
 seealso:
   - name: vLLM get_kv_cache_quant_algo_string
@@ -96,6 +103,11 @@ seealso:
 """
 
 EXAMPLES = r"""
+- name: Remove the FP8 KV-cache declarations from a view's own config copies
+  hf_quant_config:
+    model_dir: /shared/models/.vllm-fleet/kimi-k2.5-nvfp4/views/0123abcd/absent
+    kv_cache_quant: absent
+
 - name: Remove the FP8 KV-cache declarations of the deployed checkpoint
   hf_quant_config:
     model_dir: /shared/models/kimi-k2.5-nvfp4
@@ -174,8 +186,13 @@ files:
       sha256_before: 3f7a...
       sha256_after: 9c1e...
       changed: true
+view_of:
+  description: The checkpoint O(model_dir) is a view of; empty when it is a plain directory.
+  returned: always
+  type: str
+  sample: /shared/models/kimi-k2.5-nvfp4
 backup_dir:
-  description: Where pristine copies and the manifest live.
+  description: Where pristine copies and the manifest live (empty on a view).
   returned: always
   type: str
   sample: /shared/models/.vllm-fleet/kimi-k2.5-nvfp4/pristine
@@ -214,6 +231,7 @@ from ansible.module_utils.hf_quant import (
     json_pointer,
     parse_json_text,
     quark_kv_cache_groups,
+    read_view_marker,
     remove_paths_text,
     sha256_bytes,
     without_paths,
@@ -302,6 +320,7 @@ class Plan:
     files: list[ConfigFile]
     manifest: dict[str, Any]
     backup_dir: str
+    view_of: str = ""
     backups: dict[str, tuple[str, bytes]] = field(default_factory=dict)  # name -> (path, bytes)
     restored: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
@@ -343,6 +362,22 @@ def read_pristine(backup_dir: str, name: str, entry: dict[str, Any]) -> bytes:
     if sha256_bytes(data) != entry.get("sha256"):
         raise PatchError(f"{name}: pristine copy {path} does not match its recorded SHA-256")
     return data
+
+
+def plan_view_original(plan: Plan) -> None:
+    """On a view, the checkpoint's own bytes are the original: copy them back."""
+    for cfg in plan.files:
+        source = os.path.join(plan.view_of, cfg.name)
+        try:
+            with open(source, "rb") as handle:
+                data = handle.read()
+        except OSError as exc:
+            raise PatchError(
+                f"{cfg.path}: the checkpoint's copy {source} cannot be read: {exc.strerror}"
+            ) from None
+        if data != cfg.raw:
+            cfg.new_raw = data
+            plan.restored.append(cfg.name)
 
 
 def plan_original(plan: Plan) -> None:
@@ -388,13 +423,21 @@ def plan_original(plan: Plan) -> None:
 def check_writable(plan: Plan) -> None:
     """Fail before writing anything if a write would fail."""
     for cfg in plan.writes:
+        if os.path.islink(cfg.path):
+            # A view links every file to the shared checkpoint: writing here
+            # would patch the checkpoint under every node that serves it.
+            raise PatchError(
+                f"{cfg.path}: is a symlink (to {os.path.realpath(cfg.path)}); refusing to "
+                "write through it. Build the view with a real copy of this file "
+                "(checkpoint_view materialize) and patch that"
+            )
         if not os.access(cfg.path, os.W_OK):
             raise PatchError(f"{cfg.path}: not writable by this user (uid {os.getuid()})")
         if not os.access(os.path.dirname(cfg.path), os.W_OK | os.X_OK):
             raise PatchError(
                 f"{cfg.path}: its directory is not writable (needed for the atomic rename)"
             )
-    if any(c.removed for c in plan.writes):  # the manifest is written too
+    if not plan.view_of and any(c.removed for c in plan.writes):  # the manifest is written too
         existing = plan.backup_dir
         while not os.path.isdir(existing):
             existing = os.path.dirname(existing)
@@ -457,7 +500,7 @@ def record_patch(module: AnsibleModule, plan: Plan) -> list[str]:
 
 def apply(module: AnsibleModule, plan: Plan) -> list[str]:
     """Record the patch, then write the files; undo earlier files if a later one fails."""
-    created = record_patch(module, plan)
+    created = [] if plan.view_of else record_patch(module, plan)
     done: list[ConfigFile] = []
     for cfg in plan.writes:
         try:
@@ -504,6 +547,7 @@ def build_result(plan: Plan, state: str, created: list[str]) -> dict[str, Any]:
         "removed": {c.name: c.removed for c in plan.files if c.removed},
         "restored": plan.restored,
         "files": files,
+        "view_of": plan.view_of,
         "backup_dir": plan.backup_dir,
         "backup_files": backup_files,
         "backup_files_created": created,
@@ -525,10 +569,20 @@ def build_diff(plan: Plan) -> list[dict[str, str]]:
 def run(module: AnsibleModule) -> dict[str, Any]:
     params = module.params
     model_dir = os.path.abspath(params["model_dir"])
-    backup_dir = os.path.abspath(params["backup_dir"] or default_backup_dir(model_dir))
     state = params["kv_cache_quant"]
     files = read_checkpoint(model_dir)
-    plan = Plan(files=files, manifest=read_manifest(backup_dir), backup_dir=backup_dir)
+    try:
+        marker = read_view_marker(model_dir)
+    except JsonFileError as exc:
+        raise PatchError(str(exc)) from None
+    if marker:
+        # The checkpoint is the pristine copy of a view: no backups, no record.
+        plan = Plan(
+            files=files, manifest={"files": {}}, backup_dir="", view_of=marker["checkpoint"]
+        )
+    else:
+        backup_dir = os.path.abspath(params["backup_dir"] or default_backup_dir(model_dir))
+        plan = Plan(files=files, manifest=read_manifest(backup_dir), backup_dir=backup_dir)
     for cfg in files:
         groups = quark_kv_cache_groups(cfg.doc) if cfg.name == CONFIG_FILE else []
         if groups:
@@ -537,7 +591,9 @@ def run(module: AnsibleModule) -> dict[str, Any]:
                 "cache; this module does not change Quark configs"
             )
     if state == "absent":
-        plan_absent(plan, params["backup"])
+        plan_absent(plan, params["backup"] and not plan.view_of)
+    elif plan.view_of:
+        plan_view_original(plan)
     else:
         plan_original(plan)
     check_writable(plan)

@@ -250,7 +250,7 @@ from ansible.module_utils.vllm_fleet_compat import (
 
 
 def _load_json(model_dir: str, name: str) -> dict | None:
-    """The checkpoint's own config (pristine copy where our patch rewrote it)."""
+    """The checkpoint's own config (the pristine copy where an earlier version patched it)."""
     path = os.path.join(model_dir, name)
     try:
         raw = read_own_bytes(model_dir, name)

@@ -1,5 +1,5 @@
 # `make demo` is the main job on the demo fleet (mk/service.mk: demo-fleet).
-# `make demo-patch`: only the quant-config patch play, on a generated
+# `make demo-patch`: only the view play (quant-config patch), on a generated
 # Kimi-K2.5-NVFP4-shaped checkpoint on this machine (no containers needed).
 DEMO_DIR := $(VLLM_FLEET_CACHE)/demo
 DEMO_STORAGE := $(DEMO_DIR)/models

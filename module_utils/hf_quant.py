@@ -150,10 +150,12 @@ def default_backup_dir(model_dir: str) -> str:
 def read_own_bytes(model_dir: str, name: str, backup_dir: str | None = None) -> bytes | None:
     """The checkpoint's own bytes of one config file, as published.
 
-    Where the file on disk is exactly what our patch wrote, answer with the
-    pristine copy: decisions about the checkpoint (the plan, download
-    verification) must see its own declarations, or they flip-flop between
-    "drop" and "keep" on every run. None when the file does not exist.
+    The checkpoint is never patched any more (views carry the patch), but a
+    site upgraded from the in-place patch of earlier versions still has one
+    on its first run, read by preflight before role quant_config restores it:
+    where the file on disk is exactly what that patch wrote, answer with the
+    pristine copy, so the plan sees the checkpoint's own declarations. On any
+    other checkpoint this is the file's bytes. None when the file does not exist.
     """
     try:
         with open(os.path.join(model_dir, name), "rb") as handle:
@@ -171,6 +173,31 @@ def read_own_bytes(model_dir: str, name: str, backup_dir: str | None = None) -> 
     except (OSError, ValueError, AttributeError):
         return raw
     return pristine if sha256_bytes(pristine) == entry.get("sha256") else raw
+
+
+# A view marks itself with this file: which checkpoint it mirrors, so that
+# hf_quant_config can restore a view's config from the checkpoint's bytes.
+VIEW_MARKER = ".vllm-fleet-view.json"
+
+
+def read_view_marker(model_dir: str) -> dict[str, Any] | None:
+    """The marker of a view directory, or None when *model_dir* is not a view."""
+    path = os.path.join(model_dir, VIEW_MARKER)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            marker = json.load(handle)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise JsonFileError(f"{path}: unreadable view marker: {exc}") from None
+    if not isinstance(marker, dict) or not isinstance(marker.get("checkpoint"), str):
+        raise JsonFileError(f"{path}: view marker names no checkpoint")
+    return marker
+
+
+def git_blob_sha1(data: bytes) -> str:
+    """The hub's digest (oid) of a file kept in git, not LFS."""
+    return hashlib.sha1(b"blob %d\0" % len(data) + data, usedforsecurity=False).hexdigest()
 
 
 class JsonFileError(ValueError):

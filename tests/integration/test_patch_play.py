@@ -1,8 +1,8 @@
-"""The patch play (playbooks/patch_config.yml) through ansible-runner on this machine.
+"""The view play (playbooks/patch_config.yml) through ansible-runner on this machine.
 
 Runs against inventory/local (localhost as the one-node gpu-nodes group) on a
-generated Kimi-K2.5-NVFP4-shaped checkpoint, and asserts on runner events and
-on the files.
+generated Kimi-K2.5-NVFP4-shaped checkpoint with a download manifest of the
+hub's digests, and asserts on runner events and on the files.
 """
 
 from __future__ import annotations
@@ -17,13 +17,20 @@ from typing import Any
 import ansible_runner
 import pytest
 
+from tests.support.ansible_module import (  # noqa: F401 (patch_ansible_module: autouse fixture)
+    load_module,
+    patch_ansible_module,
+    run_module,
+)
 from tests.support.kimi_checkpoint import write_kimi_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 PLAYBOOK = ROOT / "playbooks" / "patch_config.yml"
-PATCH_TASK = "Ensure the checkpoint's KV-cache quantization is"
-HANDLER = "Restart vLLM on the nodes serving the patched checkpoint"
+VIEW_TASK = "Build the view of the checkpoint"
+PATCH_TASK = "Remove the KV-cache quantization declarations from the view's configs"
+FACT_TASK = "Set the view this node serves"
 FILES = ("config.json", "hf_quant_config.json")
+SHA = "89abcdef" * 5
 
 
 def hashes(directory: Path) -> dict[str, str]:
@@ -54,17 +61,26 @@ class Run:
             and e["event_data"].get("task", "").startswith(prefix)
         ]
 
-    def handlers_notified(self) -> list[str]:
-        return [
-            e["event_data"]["handler"] for e in self.events if e["event"] == "playbook_on_notify"
-        ]
+    def view(self) -> dict[str, Any]:
+        (fact,) = self.task_results(FACT_TASK)
+        return fact["res"]["ansible_facts"]["vllm_fleet_view"]
 
 
 @pytest.fixture
 def storage(tmp_path: Path) -> Path:
     """Shared storage root holding the demo profile's checkpoint."""
     root = tmp_path / "models"
-    write_kimi_checkpoint(root / "tiny-kimi")
+    checkpoint = root / "tiny-kimi"
+    write_kimi_checkpoint(checkpoint)
+    files = {}
+    for path in checkpoint.rglob("*"):
+        data = path.read_bytes() if path.is_file() else None
+        if data is not None:
+            oid = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+            files[str(path.relative_to(checkpoint))] = {"size": len(data), "oid": oid}
+    state = root / ".vllm-fleet" / "tiny-kimi"
+    state.mkdir(parents=True)
+    (state / "manifest.json").write_text(json.dumps({"sha": SHA, "files": files}))
     return root
 
 
@@ -96,56 +112,75 @@ def run_play(tmp_path: Path, storage: Path, *, check: bool = False, **extravars:
     return result
 
 
-def test_patch_play_twice_second_run_changes_nothing(tmp_path: Path, storage: Path) -> None:
+def test_view_play_builds_a_view_and_never_touches_the_checkpoint(
+    tmp_path: Path, storage: Path
+) -> None:
     model_dir = storage / "tiny-kimi"
+    checkpoint = hashes(model_dir)
     originals = {n: json.loads((model_dir / n).read_text()) for n in FILES}
 
     first = run_play(tmp_path, storage)
 
+    view = storage / ".vllm-fleet" / "tiny-kimi" / "views" / SHA / "absent"
+    (built,) = first.task_results(VIEW_TASK)
+    assert built["res"]["changed"] and built["res"]["path"] == str(view)
     (patch,) = first.task_results(PATCH_TASK)
-    assert patch["res"]["changed"] is True
     assert patch["res"]["removed"] == {
         "config.json": ["/quantization_config/kv_cache_scheme"],
         "hf_quant_config.json": ["/quantization/kv_cache_quant_algo"],
     }
-    assert HANDLER in first.handlers_notified()
-    after = {n: json.loads((model_dir / n).read_text()) for n in FILES}
+    fact = first.view()
+    assert fact["path"] == str(view) and fact["variant"] == "absent"
+    assert fact["files"] == {n: hashlib.sha256((view / n).read_bytes()).hexdigest() for n in FILES}
+    after = {n: json.loads((view / n).read_text()) for n in FILES}
     del originals["config.json"]["quantization_config"]["kv_cache_scheme"]
     del originals["hf_quant_config.json"]["quantization"]["kv_cache_quant_algo"]
     assert after == originals
-    patched = hashes(storage)
+    assert hashes(model_dir) == checkpoint
+    assert (view / "model.safetensors.index.json").is_symlink()
+    everything = hashes(storage)
 
     second = run_play(tmp_path, storage)
 
     assert second.changed() == 0
-    assert second.handlers_notified() == []
-    assert hashes(storage) == patched
+    assert hashes(storage) == everything
 
 
-def test_check_mode_reports_and_changes_nothing(tmp_path: Path, storage: Path) -> None:
+def test_check_mode_reports_and_builds_nothing(tmp_path: Path, storage: Path) -> None:
     before = hashes(storage)
 
     result = run_play(tmp_path, storage, check=True)
 
-    (patch,) = result.task_results(PATCH_TASK)
-    assert patch["res"]["changed"] is True
-    assert {d["before_header"] for d in patch["res"]["diff"]} == {
-        str(storage / "tiny-kimi" / n) for n in FILES
-    }
+    (built,) = result.task_results(VIEW_TASK)
+    assert built["res"]["changed"] is True and built["res"]["created"] is True
+    assert hashes(storage) == before
+    assert not (storage / ".vllm-fleet" / "tiny-kimi" / "views" / SHA).exists()
+
+
+def test_original_decision_serves_the_checkpoint_itself(tmp_path: Path, storage: Path) -> None:
+    before = hashes(storage)
+
+    result = run_play(tmp_path, storage, quant_config_kv_cache_quant="original")
+
+    assert result.view()["path"] == str(storage / "tiny-kimi")
+    assert result.changed() == 0
     assert hashes(storage) == before
 
 
-def test_plan_original_restores_the_files_byte_for_byte(tmp_path: Path, storage: Path) -> None:
+def test_a_checkpoint_patched_in_place_is_restored_to_the_hubs_bytes(
+    tmp_path: Path, storage: Path
+) -> None:
     model_dir = storage / "tiny-kimi"
-    pristine = {n: (model_dir / n).read_bytes() for n in FILES}
-    run_play(tmp_path, storage)
-    plan = {"vllm_fleet_plan": {"kv_cache_quant": "original"}}
+    hub = {n: (model_dir / n).read_bytes() for n in FILES}
+    # What earlier versions did: patch the shared checkpoint, pristine copies beside it.
+    legacy = run_module(load_module("hf_quant_config"), {"model_dir": model_dir})
+    assert legacy["changed"] and legacy["backup_files_created"]
+    assert (model_dir / "config.json").read_bytes() != hub["config.json"]
 
-    restore = run_play(tmp_path, storage, **plan)
+    upgrade = run_play(tmp_path, storage)
 
-    (task,) = restore.task_results(PATCH_TASK)
-    assert task["res"]["restored"] == list(FILES)
-    assert HANDLER in restore.handlers_notified()
-    assert {n: (model_dir / n).read_bytes() for n in FILES} == pristine
-    again = run_play(tmp_path, storage, **plan)
-    assert again.changed() == 0
+    assert {n: (model_dir / n).read_bytes() for n in FILES} == hub
+    (restored,) = upgrade.task_results("Restore the checkpoint's configs patched in place")
+    assert restored["res"]["restored"] == list(FILES)
+    assert upgrade.view()["variant"] == "absent"
+    assert run_play(tmp_path, storage).changed() == 0

@@ -590,3 +590,21 @@ def test_unwritable_backup_dir_fails_before_any_write(
 
     assert f"backup_dir {locked / 'pristine'}: cannot be written" in msg
     assert snapshot(kimi.parent) == before
+
+
+# --- views: never through a symlink ---------------------------------------------
+
+
+def test_a_config_that_is_a_symlink_is_refused_and_its_target_untouched(
+    kimi: Path, tmp_path: Path
+) -> None:
+    view = tmp_path / "view"
+    view.mkdir()
+    for entry in kimi.iterdir():
+        (view / entry.name).symlink_to(os.path.relpath(entry, view))
+    before = snapshot(kimi)
+    for check in (False, True):
+        msg = fail({"model_dir": view}, check=check)
+        assert f"{view / CONFIG}: is a symlink (to {kimi / CONFIG})" in msg
+    assert snapshot(kimi) == before
+    assert not backup_dir_of(view).exists()
