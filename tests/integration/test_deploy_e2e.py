@@ -52,7 +52,9 @@ PREFIX = "vf-e2e-svc"
 PORT_OFFSET = 700
 PROFILE = yaml.safe_load((ROOT / "playbooks/models/tiny-kimi.yml").read_text())
 SERVED = PROFILE["vllm_fleet_served_name"]
-MODEL = yaml.safe_load((ROOT / "group_vars/all.yml").read_text())["vllm_fleet_model"]
+MODEL = yaml.safe_load((ROOT / "roles/vllm_fleet/defaults/main.yml").read_text())[
+    "vllm_fleet_model"
+]
 UNIT = f"vllm-{SERVED}.service"
 UNIT_PATH = f"/etc/systemd/system/{UNIT}"
 ENV_PATH = f"/etc/vllm-fleet/{SERVED}.env"
