@@ -1,4 +1,4 @@
-# Every vLLM pin (group_vars, inventories, model profiles) has a wheel on its
+# Every vLLM pin (role vllm_fleet's default, inventories, model profiles) has a wheel on its
 # index for the nodes' Python and platform: read from the index's listing.
 .PHONY: check-pins
 check-pins: venv

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Prove that every vLLM pin the toolkit ships installs on the nodes.
 
-A pin is a (package, version, index) named in group_vars/all.yml, an
+A pin is a (package, version, index) named in role vllm_fleet's defaults, an
 inventory's group_vars or a model profile (playbooks/models/*.yml). For each,
 the package index's own simple API (PEP 691 JSON, PEP 503 HTML as fallback)
 must list a non-yanked wheel of exactly that version whose tags install on the
@@ -39,7 +39,11 @@ NODE_PYTHON = (3, 11)
 NODE_PYTHON_FULL = "3.11.2"
 NODE_GLIBC = (2, 36)
 NODE_ARCH = "x86_64"
-PIN_FILES = ("group_vars/all.yml", "inventory/*/group_vars/*.yml", "playbooks/models/*.yml")
+PIN_FILES = (
+    "roles/vllm_fleet/defaults/main.yml",
+    "inventory/*/group_vars/*.yml",
+    "playbooks/models/*.yml",
+)
 ACCEPT = "application/vnd.pypi.simple.v1+json, text/html;q=0.1"
 
 
@@ -77,7 +81,7 @@ def _load(path: Path) -> dict:
 
 def repo_pins(root: Path = ROOT) -> list[Pin]:
     """The pins a deploy can resolve to: the fleet default, each inventory's, each profile's."""
-    base = _load(root / "group_vars/all.yml")
+    base = _load(root / "roles/vllm_fleet/defaults/main.yml")
     default_pkg = str(base.get("vllm_fleet_vllm_package", "vllm"))
     pins: list[Pin] = []
     for pattern in PIN_FILES:

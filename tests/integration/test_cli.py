@@ -215,7 +215,7 @@ def test_status_reads_the_release_pointer_and_reports_no_server(tmp_path: Path) 
         str(LOCAL),
         "--json",
         "-e",
-        f"vllm_release_root={releases}",
+        f"vllm_fleet_release_root={releases}",
         # Nothing listens here: the node reports down, not an error.
         "-e",
         '{"vllm_service_port": 9}',
@@ -229,7 +229,7 @@ def test_status_reads_the_release_pointer_and_reports_no_server(tmp_path: Path) 
     assert node["endpoint"] == "http://localhost:9"
     assert node["vllm_version"] == "" and node["served_model"] == ""
 
-    table = vllm_fleet("status", "-i", str(LOCAL), "-e", f"vllm_release_root={releases}")
+    table = vllm_fleet("status", "-i", str(LOCAL), "-e", f"vllm_fleet_release_root={releases}")
     assert table.returncode == 0
     heading, row = table.stdout.splitlines()[:2]
     assert heading.split() == ["HOST", "UNIT", "HEALTH", "MODEL", "RELEASE", "VLLM", "ENDPOINT"]

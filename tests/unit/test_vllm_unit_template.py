@@ -48,7 +48,7 @@ def render(loader: DataLoader, template: str, **overrides: Any) -> str:
     variables: dict[str, Any] = {}
     for path in (
         ROLE / "defaults/main.yml",
-        ROOT / "group_vars/all.yml",
+        ROOT / "roles/vllm_fleet/defaults/main.yml",
         ROOT / "playbooks/models/kimi-k2.5-nvfp4.yml",
         ROLE / "vars/main.yml",
     ):

@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nvidia-smi", default="nvidia-smi")
     parser.add_argument("--out", type=Path, default=None, help="fixture directory to write")
     parser.add_argument("--profile", default="kimi-k2.5-nvfp4", help="playbooks/models/<name>")
-    parser.add_argument("--vllm-version", default=None, help="default: group_vars/all.yml's pin")
+    parser.add_argument("--vllm-version", default=None, help="default: role vllm_fleet's pin")
     args = parser.parse_args(argv)
     profile = ROOT / "playbooks/models" / f"{args.profile}.yml"
     if not profile.is_file():
@@ -148,7 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         import yaml
 
         args.vllm_version = str(
-            yaml.safe_load((ROOT / "group_vars/all.yml").read_text())["vllm_fleet_vllm_version"]
+            yaml.safe_load((ROOT / "roles/vllm_fleet/defaults/main.yml").read_text())[
+                "vllm_fleet_vllm_version"
+            ]
         )
     out = args.out or Path(tempfile.gettempdir()) / f"gpu-acceptance-{socket.gethostname()}"
     fake = is_fake(args.nvidia_smi)

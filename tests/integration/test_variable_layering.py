@@ -1,0 +1,119 @@
+"""Variable layering: profile < inventory group_vars < host_vars, without -e.
+
+A real ansible-playbook run (validate.yml, then the vllm_service role's unit
+step in check and diff mode on the controller): each node's rendered unit
+comes back in the diff, nothing is written.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import ansible_runner
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+PLAYBOOK = ROOT / "tests/integration/playbooks/render_unit.yml"
+PROFILE = yaml.safe_load((ROOT / "playbooks/models/tiny-kimi.yml").read_text())
+UNIT_TASK = "Install the systemd unit (verified with systemd-analyze first)"
+
+
+def write_inventory(root: Path, group_vars: dict[str, Any], host_vars: dict[str, Any]) -> Path:
+    hosts = {"gpu-nodes": {"hosts": {"node-a": {}, "node-b": {}}}}
+    common = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
+    (root / "group_vars").mkdir(parents=True)
+    (root / "host_vars").mkdir()
+    (root / "hosts.yml").write_text(yaml.safe_dump(hosts))
+    (root / "group_vars/all.yml").write_text(yaml.safe_dump(common))
+    (root / "group_vars/gpu-nodes.yml").write_text(yaml.safe_dump(group_vars))
+    (root / "host_vars/node-b.yml").write_text(yaml.safe_dump(host_vars))
+    return root
+
+
+def render(tmp_path: Path, inventory: Path, **extravars: Any) -> tuple[dict[str, str], int]:
+    """Each node's rendered unit, and how many batches (play starts) the render play ran in."""
+    (tmp_path / "runner").mkdir()
+    runner = ansible_runner.run(
+        private_data_dir=str(tmp_path / "runner"),
+        project_dir=str(ROOT),
+        playbook=str(PLAYBOOK),
+        inventory=str(inventory),
+        extravars=extravars,
+        cmdline="--check --diff",
+        quiet=True,
+        envvars={
+            "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"),
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        },
+    )
+    events = list(runner.events)
+    assert runner.rc == 0, runner.stdout.read()[-3000:]
+    units = {}
+    for event in events:
+        data = event.get("event_data", {})
+        if event["event"] == "runner_on_ok" and data.get("task") == UNIT_TASK:
+            diff = data["res"]["diff"]
+            units[data["host"]] = (diff[0] if isinstance(diff, list) else diff)["after"]
+    batches = sum(
+        1
+        for e in events
+        if e["event"] == "playbook_on_play_start"
+        and e["event_data"].get("name") == "Render each node's unit"
+    )
+    return units, batches
+
+
+def argv(unit: str) -> list[str]:
+    (line,) = [line for line in unit.splitlines() if line.startswith("ExecStart=")]
+    return line.split()
+
+
+def arg(unit: str, flag: str) -> str:
+    words = argv(unit)
+    return words[words.index(flag) + 1]
+
+
+@pytest.fixture
+def layered(tmp_path: Path) -> Path:
+    group = {
+        # A site's engine arguments (the whole mapping replaces the profile's).
+        "vllm_fleet_engine_args": {**PROFILE["vllm_fleet_engine_args"], "max-model-len": 256},
+        "vllm_fleet_health_timeout_s": 900,
+        # Ignored by the serial keyword (play keywords do not see the inventory).
+        "vllm_fleet_serial": 2,
+    }
+    host = {"vllm_fleet_engine_args": {**PROFILE["vllm_fleet_engine_args"], "max-model-len": 128}}
+    return write_inventory(tmp_path / "inventory", group, host)
+
+
+def test_group_vars_override_the_profile_and_host_vars_override_both(
+    tmp_path: Path, layered: Path
+) -> None:
+    units, batches = render(tmp_path, layered)
+    assert set(units) == {"node-a", "node-b"}
+    assert PROFILE["vllm_fleet_engine_args"]["max-model-len"] == 512
+    assert arg(units["node-a"], "--max-model-len") == "256"
+    assert arg(units["node-b"], "--max-model-len") == "128"
+    # Scalars too: the group's timeout outranks the profile's 600 s, on both nodes.
+    for unit in units.values():
+        assert "TimeoutStartSec=900" in unit.splitlines()
+        # The profile's other values still arrive (served name, model path).
+        assert arg(unit, "--served-model-name") == PROFILE["vllm_fleet_served_name"]
+    # serial: role vllm_fleet's default (1), not the inventory's 2.
+    assert batches == 2
+
+
+def test_profile_values_arrive_without_inventory_and_serial_follows_extra_vars(
+    tmp_path: Path,
+) -> None:
+    inventory = write_inventory(tmp_path / "inventory", {}, {})
+    units, batches = render(tmp_path, inventory, vllm_fleet_serial=2)
+    for unit in units.values():
+        assert arg(unit, "--max-model-len") == "512"
+        assert "--enforce-eager" in argv(unit)
+        assert "TimeoutStartSec=600" in unit.splitlines()
+    assert batches == 1
