@@ -6,10 +6,9 @@ from __future__ import annotations
 import re
 import subprocess
 import time
-import urllib.error
-import urllib.request
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.systemd_unit import as_int, health_status, unit_props
 
 DOCUMENTATION = r"""
 ---
@@ -165,30 +164,6 @@ _SHARDS = re.compile(
 )
 
 
-def unit_props(unit: str) -> dict[str, str]:
-    """Read the unit's state with systemctl show (timestamps as unix time)."""
-    cmd = ["systemctl", "show", "--timestamp=unix", unit] + [f"--property={p}" for p in _PROPS]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    props = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
-    return {key: props.get(key, "") for key in _PROPS}
-
-
-def _int(value: str) -> int:
-    value = value.strip().lstrip("@")
-    return int(value) if value.isdigit() else 0
-
-
-def health_status(url: str, timeout: float = 5.0) -> int:
-    """HTTP status of GET /health; 0 when nothing answers (still loading)."""
-    try:
-        with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=timeout) as resp:
-            return resp.status
-    except urllib.error.HTTPError as err:
-        return err.code
-    except (OSError, ValueError):
-        return 0
-
-
 def clean_line(line: str) -> str:
     """Keep what a terminal would show: the text after the last carriage return."""
     parts = [part for part in _ANSI.sub("", line).split("\r") if part.strip()]
@@ -229,7 +204,7 @@ def load_progress(lines: list[str]) -> dict | None:
 def failure_reason(props: dict[str, str], restarts: int | None) -> str:
     """Why the unit counts as failed, or an empty string."""
     active, sub = props["ActiveState"], props["SubState"]
-    n_restarts = _int(props["NRestarts"])
+    n_restarts = as_int(props["NRestarts"])
     if restarts is not None and n_restarts > restarts:
         return (
             f"unit restarted {n_restarts - restarts} time(s) since the wait began: "
@@ -244,12 +219,14 @@ def failure_reason(props: dict[str, str], restarts: int | None) -> str:
 
 def probe(params: dict) -> dict:
     unit = params["unit"] if params["unit"].endswith(".service") else f"{params['unit']}.service"
-    props = unit_props(unit)
-    since = params["since"] if params["since"] is not None else _int(props["InactiveExitTimestamp"])
+    props = unit_props(unit, _PROPS)
+    since = params["since"]
+    if since is None:
+        since = as_int(props["InactiveExitTimestamp"])
     wait_until = time.time() + params["wait_s"]
     state, reason, status = "loading", "", 0
     while True:
-        props = unit_props(unit)
+        props = unit_props(unit, _PROPS)
         reason = failure_reason(props, params["restarts"])
         if reason:
             state = "failed"
@@ -273,9 +250,9 @@ def probe(params: dict) -> dict:
         "reason": reason,
         "active_state": props["ActiveState"],
         "sub_state": props["SubState"],
-        "n_restarts": _int(props["NRestarts"]),
-        "exec_main_status": _int(props["ExecMainStatus"]),
-        "main_pid": _int(props["MainPID"]),
+        "n_restarts": as_int(props["NRestarts"]),
+        "exec_main_status": as_int(props["ExecMainStatus"]),
+        "main_pid": as_int(props["MainPID"]),
         "since": since,
         "elapsed_s": int(time.time() - since) if since else 0,
         "http_status": status,

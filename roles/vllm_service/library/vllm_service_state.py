@@ -9,10 +9,9 @@ import os
 import pwd
 import re
 import subprocess
-import urllib.error
-import urllib.request
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.systemd_unit import as_int, health_status, unit_props
 
 DOCUMENTATION = r"""
 ---
@@ -185,13 +184,6 @@ def file_sha256(path: str) -> str:
     return digest.hexdigest()
 
 
-def unit_props(unit: str) -> dict[str, str]:
-    cmd = ["systemctl", "show", unit] + [f"--property={p}" for p in _PROPS]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    props = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
-    return {key: props.get(key, "") for key in _PROPS}
-
-
 def listeners(port: int) -> list[str]:
     cmd = ["ss", "-H", "-l", "-t", "-n", "-p", f"sport = :{port}"]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
@@ -217,16 +209,6 @@ def vllm_version(venv: str) -> str:
     return ""
 
 
-def health_status(url: str, timeout: float) -> int:
-    try:
-        with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=timeout) as resp:
-            return resp.status
-    except urllib.error.HTTPError as err:
-        return err.code
-    except (OSError, ValueError):
-        return 0
-
-
 def user_exists(name: str) -> bool:
     try:
         pwd.getpwnam(name)
@@ -242,13 +224,9 @@ def release_current(release_dir: str | None) -> str:
     return os.path.basename(os.readlink(link)) if os.path.islink(link) else ""
 
 
-def _int(value: str) -> int:
-    return int(value) if value.strip().isdigit() else 0
-
-
 def gather(params: dict) -> dict:
     unit = params["unit"] if params["unit"].endswith(".service") else f"{params['unit']}.service"
-    props = unit_props(unit)
+    props = unit_props(unit, _PROPS)
     lines = listeners(params["port"])
     active = props["ActiveState"] == "active"
     with open("/proc/1/limits", encoding="ascii", errors="replace") as handle:
@@ -260,7 +238,7 @@ def gather(params: dict) -> dict:
         "load_state": props["LoadState"],
         "active_state": props["ActiveState"] or "inactive",
         "sub_state": props["SubState"],
-        "main_pid": _int(props["MainPID"]),
+        "main_pid": as_int(props["MainPID"]),
         "exec_start": props["ExecStart"],
         "python_exists": os.path.isfile(os.path.join(params["venv"], "bin", "python")),
         "vllm_version": vllm_version(params["venv"]),
