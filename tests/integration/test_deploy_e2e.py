@@ -361,17 +361,13 @@ def views_dir_sha(storage: Path) -> str:
 
 
 def state_tree(storage: Path) -> str:
-    """The state directory as `tree` shows it (links with their targets)."""
-    done = subprocess.run(
-        ["tree", "-a", "--noreport", str(storage / ".vllm-fleet")],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
-    if done.returncode == 0:
-        return done.stdout
-    lines = []
-    for path in sorted((storage / ".vllm-fleet").rglob("*")):
-        rel = path.relative_to(storage)
-        lines.append(f"{rel} -> {os.readlink(path)}" if path.is_symlink() else str(rel))
+    """The state directory as a tree, one entry a line (links with their targets)."""
+    root = storage / ".vllm-fleet"
+    lines = [str(root)]
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root)
+        entry = "    " * (len(rel.parts) - 1) + path.name
+        lines.append(f"{entry} -> {os.readlink(path)}" if path.is_symlink() else entry)
     return "\n".join(lines)
 
 
@@ -523,6 +519,29 @@ def test_rerun_changes_nothing_and_keeps_secrets_out_of_vvv(
     assert run.play_hosts(COMPARE_PLAY) == set(NODES)
     assert run.play_hosts(ROLLING_PLAY) == set()
     MEASURED["rerun_tasks_per_node"] = run.tasks_per_host()
+
+
+def test_throughput_probe_reports_tokens_per_second_per_node(
+    deployed: Run, hub: HubServer, inventory: Path, tmp_path: Path
+) -> None:
+    """--tags bench: vLLM's own bench serve code from each node's venv, bounded,
+    against the node's server; tokens/s and TTFT in the output and bench.json."""
+    pids = {node: unit_state(node)["MainPID"] for node in NODES}
+    run = deploy(tmp_path, hub, inventory, tags="bench", vllm_service_bench_prompts=8)
+    assert run.rc == 0, run.failed_msgs() or run.stdout[-3000:]
+    assert API_KEY not in run.stdout
+    shown = task_msgs(run, "Show tokens/s and TTFT")
+    assert len(shown) == len(NODES), shown
+    results = {}
+    for node in NODES:
+        results[node] = json.loads(node_sh(node, "cat", f"{RELEASES}/current/bench.json"))
+        assert results[node]["completed"] == 8, results[node]
+        assert float(results[node]["output_tokens_per_s"]) > 0, results[node]
+        assert float(results[node]["mean_ttft_ms"]) > 0, results[node]
+        assert f"{node} bench (8/8 prompts" in "".join(m for m in shown if m.startswith(node))
+    # A probe, not a change: no node restarted.
+    assert {node: unit_state(node)["MainPID"] for node in NODES} == pids
+    MEASURED["bench"] = results
 
 
 def test_cli_deploy_status_and_patch_config_on_the_fleet(
