@@ -44,7 +44,7 @@ check: lint unit
 include $(sort $(wildcard mk/*.mk))
 
 integration: venv collections $(INTEGRATION_DEPS)
-	$(BIN)/pytest -q tests/integration
+	$(BIN)/pytest -q --durations=25 tests/integration
 
 test: lint unit molecule integration
 
