@@ -61,15 +61,19 @@ def storage(tmp_path: Path) -> dict[str, Path]:
     return {"checkpoint": checkpoint, "state": state, "views": state / "views"}
 
 
-def build(storage: dict[str, Path], check: bool = False, **extra: Any) -> dict[str, Any]:
-    args = {
+def view_args(storage: dict[str, Path], **extra: Any) -> dict[str, Any]:
+    """The module's arguments for the absent view of this storage's checkpoint."""
+    return {
         "root": storage["views"],
         "checkpoint": storage["checkpoint"],
         "variant": "absent",
         "manifest": storage["state"] / "manifest.json",
         **extra,
     }
-    return run_module(checkpoint_view, args, check=check, diff=True)
+
+
+def build(storage: dict[str, Path], check: bool = False, **extra: Any) -> dict[str, Any]:
+    return run_module(checkpoint_view, view_args(storage, **extra), check=check, diff=True)
 
 
 def test_view_links_every_file_and_copies_the_configs(storage: dict[str, Path]) -> None:
@@ -155,15 +159,7 @@ def test_original_on_a_view_copies_the_checkpoint_bytes_back(storage: dict[str, 
 def test_a_checkpoint_edited_in_place_gets_no_view(storage: dict[str, Path]) -> None:
     config = storage["checkpoint"] / "config.json"
     config.write_bytes(config.read_bytes().replace(b'"kv_cache_scheme"', b'"kv_cache_schemX"'))
-    msg = fail_module(
-        checkpoint_view,
-        {
-            "root": storage["views"],
-            "checkpoint": storage["checkpoint"],
-            "variant": "absent",
-            "manifest": storage["state"] / "manifest.json",
-        },
-    )
+    msg = fail_module(checkpoint_view, view_args(storage))
     assert "differs from the hub's revision" in msg and "config.json (git blob sha1" in msg
     assert not storage["views"].joinpath(SHA).exists()
 
@@ -175,16 +171,7 @@ def test_stale_entries_are_removed_and_sources_must_match(storage: dict[str, Pat
     assert result["removed"] == ["gone.safetensors"] and not (view / "gone.safetensors").exists()
     other = storage["state"] / "other.json"
     other.write_text("{}\n")
-    msg = fail_module(
-        checkpoint_view,
-        {
-            "root": storage["views"],
-            "checkpoint": storage["checkpoint"],
-            "variant": "absent",
-            "manifest": storage["state"] / "manifest.json",
-            "sources": {"config.json": str(other)},
-        },
-    )
+    msg = fail_module(checkpoint_view, view_args(storage, sources={"config.json": str(other)}))
     assert "is not overwritten" in msg
 
 
