@@ -287,6 +287,10 @@ msg:
   description: The progress as one line.
   returned: mode is wait
   type: str
+vllm_fleet_poll:
+  description: The same line, which the project's stdout callback prints at every retry of a wait.
+  returned: mode is wait
+  type: str
 manifest:
   description: Path of the manifest.
   returned: mode is download

@@ -164,8 +164,34 @@ def _hub_failure(err: Exception, opts: Options) -> DownloadError:
     return DownloadError(f"Hub request for {opts.repo_id}@{opts.revision} failed: {name}: {err}")
 
 
-def resolve_and_list(opts: Options, recorded_sha: str | None) -> tuple[str, list[Entry], list[str]]:
-    """Resolve the revision to a commit sha and list the (filtered) tree at that sha."""
+def patterns(opts: Options) -> dict[str, list[str] | None]:
+    """The file selection, as the manifest records it."""
+    return {"include": opts.allow_patterns or None, "exclude": opts.ignore_patterns or None}
+
+
+def recorded_listing(opts: Options, manifest: dict[str, Any], sha: str) -> list[Entry] | None:
+    """The listing a complete manifest recorded for ``sha`` with the same file selection.
+
+    A commit's tree never changes, so the hub need not list it again; a full
+    verification trusts no local record and lists anew.
+    """
+    if (
+        opts.verify == "full"
+        or not manifest.get("complete")
+        or manifest.get("sha") != sha
+        or manifest.get("patterns") != patterns(opts)
+    ):
+        return None
+    return [Entry(p, r["size"], r["oid"], r.get("sha256")) for p, r in manifest["files"].items()]
+
+
+def resolve_and_list(
+    opts: Options, recorded_sha: str | None, manifest: dict[str, Any] | None = None
+) -> tuple[str, list[Entry], list[str]]:
+    """Resolve the revision to a commit sha and list the (filtered) tree at that sha.
+
+    The listing comes from ``manifest`` when it recorded this very commit and selection.
+    """
     from huggingface_hub import HfApi
     from huggingface_hub.hf_api import RepoFile
     from huggingface_hub.utils import filter_repo_objects
@@ -180,9 +206,14 @@ def resolve_and_list(opts: Options, recorded_sha: str | None) -> tuple[str, list
                 "(set model_download_update=true to move)"
             )
             sha = recorded_sha
+        recorded = recorded_listing(opts, manifest or {}, sha)
         files = [
             f
-            for f in api.list_repo_tree(opts.repo_id, recursive=True, revision=sha)
+            for f in (
+                api.list_repo_tree(opts.repo_id, recursive=True, revision=sha)
+                if recorded is None
+                else []
+            )
             if isinstance(f, RepoFile)
         ]
     except Exception as err:
@@ -194,6 +225,8 @@ def resolve_and_list(opts: Options, recorded_sha: str | None) -> tuple[str, list
         raise DownloadError(
             f"The hub returned no valid commit sha for {opts.repo_id}@{opts.revision}: {sha!r}"
         )
+    if recorded:
+        return sha, sorted(recorded, key=lambda e: e.path), notes
     by_path = {f.path: f for f in files}
     selected = filter_repo_objects(
         items=list(by_path),
@@ -440,7 +473,7 @@ def make_plan(opts: Options) -> Plan:
     raw = read_manifest(opts)
     manifest = load_manifest(opts)
     same_rev = raw.get("revision") == opts.revision
-    sha, entries, notes = resolve_and_list(opts, raw.get("sha") if same_rev else None)
+    sha, entries, notes = resolve_and_list(opts, raw.get("sha") if same_rev else None, manifest)
     check_listing_names(opts, sha, entries)
     status, digests, hashed = assess(opts, entries, manifest)
     extras = find_extras(opts, entries, raw)
@@ -878,6 +911,7 @@ def write_manifest(opts: Options, plan: Plan, digests: dict[str, str]) -> None:
             "repo_id": opts.repo_id,
             "revision": opts.revision,
             "sha": plan.sha,
+            "patterns": patterns(opts),
             "complete": True,
             "files_total": len(plan.entries),
             "bytes_total": plan.bytes_total,
@@ -1062,7 +1096,13 @@ def wait_progress(opts: Options, wait_s: float, job_file: str | None = None) -> 
         f"{human(progress.get('bytes_done', 0))}/{human(progress.get('bytes_total', 0))}, "
         f"{human(rate)}/s, ETA {progress.get('eta_s', '?')} s ({state or 'starting'})"
     )
-    result = {"changed": False, "ended": ended, "progress": progress, "msg": msg}
+    result = {
+        "changed": False,
+        "ended": ended,
+        "progress": progress,
+        "msg": msg,
+        "vllm_fleet_poll": msg,
+    }
     if job is not None:
         result["job"] = {k: v for k, v in job.items() if k != "invocation"}
     return result

@@ -189,14 +189,17 @@ def test_fresh_download_verifies_and_second_run_fetches_nothing(
     manifest = json.loads((state_dir(tmp_path) / "manifest.json").read_text())
     assert manifest["sha"] == repo[1] and manifest["version"] == 2
     assert all(rec["digest"] and rec["stat"] for rec in manifest["files"].values())
-    # Progress was reported while it ran, from the progress file.
-    progress = [
-        ev["event_data"]["res"]["msg"]
-        for ev in first.events
-        if ev["event"] == "runner_on_ok"
-        and ev["event_data"].get("task") == "Show the download progress"
-    ]
+    # Progress was reported while it ran, from the progress file, by one retried
+    # task (no include per round).
+    rounds = [
+        ev for ev in first.events
+        if ev["event"] in ("runner_retry", "runner_on_ok")
+        and ev["event_data"].get("task") == "Follow the download"
+    ]  # fmt: skip
+    progress = [ev["event_data"]["res"]["vllm_fleet_poll"] for ev in rounds]
     assert progress and f"{len(manifest['files'])}/{len(manifest['files'])} files" in progress[-1]
+    assert len({ev["event_data"]["task_uuid"] for ev in rounds}) == 1
+    assert not [ev for ev in first.events if ev["event"] == "playbook_on_include"]
 
     fresh_hub.reset()
     started = time.monotonic()
@@ -205,6 +208,11 @@ def test_fresh_download_verifies_and_second_run_fetches_nothing(
     assert second.status == "successful", failure_messages(second)
     assert changed_count(second) == 0
     assert fresh_hub.count(file="*") == 0  # no HEAD, no GET of any file
+    # A commit's tree never changes: the rerun resolved the revision and took the
+    # listing from the manifest that recorded this commit.
+    calls = [r.path for r in fresh_hub.requests("GET")]
+    assert any("/revision/" in c for c in calls), calls
+    assert not any("/tree/" in c for c in calls), calls
     assert task_hosts(second, START_TASK, "runner_on_skipped") == ["localhost"]
     facts = [
         ev["event_data"]["res"].get("ansible_facts", {})

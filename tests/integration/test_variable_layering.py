@@ -34,10 +34,9 @@ def write_inventory(root: Path, group_vars: dict[str, Any], host_vars: dict[str,
     return root
 
 
-def render(tmp_path: Path, inventory: Path, **extravars: Any) -> tuple[dict[str, str], int]:
-    """Each node's rendered unit, and how many batches (play starts) the render play ran in."""
+def run(tmp_path: Path, inventory: Path, **extravars: Any) -> ansible_runner.Runner:
     (tmp_path / "runner").mkdir()
-    runner = ansible_runner.run(
+    return ansible_runner.run(
         private_data_dir=str(tmp_path / "runner"),
         project_dir=str(ROOT),
         playbook=str(PLAYBOOK),
@@ -50,8 +49,22 @@ def render(tmp_path: Path, inventory: Path, **extravars: Any) -> tuple[dict[str,
             "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
         },
     )
+
+
+def render(tmp_path: Path, inventory: Path, **extravars: Any) -> tuple[dict[str, str], int]:
+    """Each node's rendered unit, and how many batches (play starts) the render play ran in."""
+    runner = run(tmp_path, inventory, **extravars)
     events = list(runner.events)
     assert runner.rc == 0, runner.stdout.read()[-3000:]
+    # Role vllm_fleet's spec is checked once, by the validation play, not again by
+    # each play that lists the role for its defaults.
+    checks = [
+        e["event_data"]["play"] for e in events
+        if e["event"] == "playbook_on_task_start"
+        and "vllm_fleet" in e["event_data"].get("task", "")
+        and e["event_data"].get("task_action", "").endswith("validate_argument_spec")
+    ]  # fmt: skip
+    assert checks == ["Validate the deployment variables"], checks
     units = {}
     for event in events:
         data = event.get("event_data", {})
@@ -117,3 +130,16 @@ def test_profile_values_arrive_without_inventory_and_serial_follows_extra_vars(
         assert "--enforce-eager" in argv(unit)
         assert "TimeoutStartSec=600" in unit.splitlines()
     assert batches == 1
+
+
+def test_a_mistyped_fleet_value_stops_the_validation_play_naming_it(tmp_path: Path) -> None:
+    inventory = write_inventory(
+        tmp_path / "inventory", {"vllm_fleet_tensor_parallel_size": "eight"}, {}
+    )
+    runner = run(tmp_path, inventory)
+    assert runner.rc != 0
+    failed = [e["event_data"] for e in runner.events if e["event"] == "runner_on_failed"]
+    assert {f["play"] for f in failed} == {"Validate the deployment variables"}
+    assert {f["host"] for f in failed} == {"node-a", "node-b"}
+    msg = failed[0]["res"]["msg"]
+    assert "vllm_fleet_tensor_parallel_size" in msg and "int" in msg, msg

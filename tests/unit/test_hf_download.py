@@ -190,6 +190,25 @@ def test_an_older_manifest_is_never_trusted(checkpoint) -> None:
     assert hashed == len(entries)
 
 
+def test_the_recorded_listing_serves_only_its_commit_and_selection(checkpoint) -> None:
+    """A commit's tree never changes: the manifest's listing replaces the hub's tree
+    call for that sha and file selection, never for another, nor for a full verify."""
+    o, entries = checkpoint
+    record(o, entries)
+    manifest = hd.load_manifest(o)
+    listed = hd.recorded_listing(o, manifest, "a" * 40)
+    assert sorted(listed or [], key=lambda e: e.path) == sorted(entries, key=lambda e: e.path)
+    assert hd.recorded_listing(o, manifest, "b" * 40) is None
+    assert hd.recorded_listing(o, {**manifest, "complete": False}, "a" * 40) is None
+    narrowed = hd.Options(**{**o.__dict__, "allow_patterns": ["*.json"]})
+    assert hd.recorded_listing(narrowed, manifest, "a" * 40) is None
+    full = hd.Options(**{**o.__dict__, "verify": "full"})
+    assert hd.recorded_listing(full, manifest, "a" * 40) is None
+    # A manifest written before the selection was recorded lists anew.
+    del manifest["patterns"]
+    assert hd.recorded_listing(o, manifest, "a" * 40) is None
+
+
 def test_recorded_extras_are_listed_unknown_ones_refused(checkpoint) -> None:
     o, entries = checkpoint
     record(o, entries)

@@ -139,6 +139,13 @@ milestone:
   returned: always
   type: str
   sample: "Loading safetensors checkpoint shards:  50% Completed | 1/2"
+vllm_fleet_poll:
+  description:
+    - The round as one line (state, seconds since the start, latest milestone), which the
+      project's stdout callback prints at every retry.
+  returned: always
+  type: str
+  sample: "loading, 42 s: Loading safetensors checkpoint shards:  50% Completed | 1/2"
 vllm_fleet_progress:
   description:
     - Shards loaded so far, from vLLM's last weight-loader line in the journal since
@@ -258,6 +265,7 @@ def probe(params: dict) -> dict:
         "http_status": status,
         "milestone": latest_milestone(lines, params["milestones"]),
     }
+    result["vllm_fleet_poll"] = f"{state}, {result['elapsed_s']} s: {result['milestone']}"
     shards = load_progress(lines)
     if shards:
         result["vllm_fleet_progress"] = shards
