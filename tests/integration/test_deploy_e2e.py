@@ -624,7 +624,9 @@ def test_port_taken_fails_clearly_and_keeps_the_service(
         holder.listen()
         port = holder.getsockname()[1]
         run = deploy(tmp_path, hub, inventory, tags="service", limit=FIRST, vllm_service_port=port)
-    _fails_intact(run, FIRST, before, str(port))
+    # The rollback waits on the release's own port, not on the -e port of the failed run.
+    restored = f"automatic rollback: release {RELEASE_A[FIRST]['current']} was restored"
+    _fails_intact(run, FIRST, before, str(port), restored + " and serves again")
     assert unit_state(FIRST)["MainPID"] == pid
 
 
