@@ -180,9 +180,15 @@ def recorded_listing(opts: Options, manifest: dict[str, Any], sha: str) -> list[
         or not manifest.get("complete")
         or manifest.get("sha") != sha
         or manifest.get("patterns") != patterns(opts)
+        or not manifest.get("files")
     ):
         return None
-    return [Entry(p, r["size"], r["oid"], r.get("sha256")) for p, r in manifest["files"].items()]
+    return recorded_entries(manifest["files"])
+
+
+def recorded_entries(files: dict[str, Any]) -> list[Entry]:
+    """The listing a manifest's per-file records describe, sorted by path."""
+    return [Entry(p, r["size"], r["oid"], r.get("sha256")) for p, r in sorted(files.items())]
 
 
 def resolve_and_list(
@@ -207,15 +213,12 @@ def resolve_and_list(
             )
             sha = recorded_sha
         recorded = recorded_listing(opts, manifest or {}, sha)
-        files = [
-            f
-            for f in (
-                api.list_repo_tree(opts.repo_id, recursive=True, revision=sha)
-                if recorded is None
-                else []
-            )
-            if isinstance(f, RepoFile)
-        ]
+        tree = (
+            []
+            if recorded is not None
+            else api.list_repo_tree(opts.repo_id, recursive=True, revision=sha)
+        )
+        files = [f for f in tree if isinstance(f, RepoFile)]
     except Exception as err:
         if type(err).__module__.startswith(("huggingface_hub", "httpx")):
             raise _hub_failure(err, opts) from err
@@ -225,8 +228,8 @@ def resolve_and_list(
         raise DownloadError(
             f"The hub returned no valid commit sha for {opts.repo_id}@{opts.revision}: {sha!r}"
         )
-    if recorded:
-        return sha, sorted(recorded, key=lambda e: e.path), notes
+    if recorded is not None:
+        return sha, recorded, notes
     by_path = {f.path: f for f in files}
     selected = filter_repo_objects(
         items=list(by_path),
@@ -990,8 +993,7 @@ def manifest_entries(opts: Options) -> tuple[dict[str, Any], list[Entry]]:
         )
     files = manifest["files"]
     check_names(opts.local_dir, list(files), f"the manifest {manifest_path(opts)}")
-    entries = [Entry(p, r["size"], r["oid"], r.get("sha256")) for p, r in sorted(files.items())]
-    return manifest, entries
+    return manifest, recorded_entries(files)
 
 
 def view_stamp(stamp: dict[str, int] | None) -> dict[str, int] | None:
