@@ -45,7 +45,8 @@ options:
       - V(download) makes O(local_dir) complete.
       - V(verify) checks this host's view of O(local_dir) against the manifest, offline.
       - V(wait) waits up to O(wait_s) for a running download job (its C(progress.json))
-        to end and returns its progress; for following an C(async) download.
+        to end and returns its progress; for following a job started by O(start) (or an
+        C(async) download).
     type: str
     choices: [plan, download, verify, wait]
     default: download
@@ -137,14 +138,27 @@ options:
         By default the recorded commit is kept, so remote code cannot change under a running fleet.
     type: bool
     default: false
+  start:
+    description:
+      - For V(plan) outside check mode, when the checkpoint is not complete and recorded,
+        start the download (mode V(download), with these options) as a detached job and
+        return its RV(results_file); one module run plans and starts. Follow it with
+        V(wait).
+    type: bool
+    default: false
+  job_timeout:
+    description: Seconds a job started by O(start) may run before it is ended as failed.
+    type: int
+    default: 86400
   wait_s:
     description: Seconds V(wait) waits for the download job to end.
     type: int
     default: 10
   job_file:
     description:
-      - For V(wait), the C(results_file) of the C(async) download task; the job has ended
-        once Ansible wrote its final result there. Without it, C(progress.json) decides.
+      - For V(wait), the RV(results_file) of a job started by O(start); the job has ended
+        once its final result is there, or its process is gone (reported as failed).
+        Without it, C(progress.json) decides.
     type: path
   chunk_bytes:
     description: Bytes per read/write; a killed run loses at most this much per file.
@@ -162,9 +176,29 @@ EXAMPLES = r"""
     local_dir: /shared/models/kimi
     state_dir: /shared/models/.vllm-fleet/kimi
     token: "{{ vllm_fleet_hf_token }}"
-  async: 86400
-  poll: 0
-  register: job
+
+- name: Plan, and start the download in the background when anything is missing
+  hf_snapshot:
+    mode: plan
+    start: true
+    repo_id: nvidia/Kimi-K2.5-NVFP4
+    local_dir: /shared/models/kimi
+    state_dir: /shared/models/.vllm-fleet/kimi
+  register: plan
+
+- name: Follow the download job, one line of progress per round
+  hf_snapshot:
+    mode: wait
+    repo_id: nvidia/Kimi-K2.5-NVFP4
+    local_dir: /shared/models/kimi
+    state_dir: /shared/models/.vllm-fleet/kimi
+    wait_s: 10
+    job_file: "{{ plan.results_file }}"
+  register: wait
+  until: wait.ended
+  retries: 8640
+  delay: 0
+  when: plan.started | default(false)
 """
 
 RETURN = r"""
@@ -295,6 +329,15 @@ manifest:
   description: Path of the manifest.
   returned: mode is download
   type: str
+started:
+  description: Whether this run started a download job (O(start)).
+  returned: mode is plan and a job was started
+  type: bool
+results_file:
+  description: The started job's results file, for V(wait)'s O(job_file).
+  returned: mode is plan and a job was started
+  type: str
+  sample: /shared/models/.vllm-fleet/kimi/jobs/1764612000000000000-4242.json
 hub_ready:
   description: Whether the interpreter has O(hub_version) (V(true) when not asked).
   type: bool
@@ -314,6 +357,7 @@ from ansible.module_utils.hf_download import (
     make_plan,
     plan_summary,
     setup_environment,
+    start_job,
     verify_local,
     wait_progress,
 )
@@ -390,6 +434,8 @@ def main() -> None:
             "lock_timeout": {"type": "int", "default": 3600},
             "update": {"type": "bool", "default": False},
             "chunk_bytes": {"type": "int", "default": 1 << 20},
+            "start": {"type": "bool", "default": False},
+            "job_timeout": {"type": "int", "default": 86400},
             "wait_s": {"type": "int", "default": 10},
             "job_file": {"type": "path"},
         },
@@ -410,6 +456,9 @@ def main() -> None:
         elif mode == "plan" or module.check_mode:
             result = plan_result(opts, module._diff)
             result["hub_ready"] = True
+            todo = not (result["complete"] and result["recorded"])
+            if module.params["start"] and todo and not module.check_mode:
+                result.update(start_job(opts, module.params["job_timeout"]))
             if wanted:
                 result["hub_version"] = found
         else:

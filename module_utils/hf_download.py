@@ -1052,13 +1052,92 @@ def _alive(pid: int) -> bool:
 
 
 def job_result(job_file: str) -> dict[str, Any] | None:
-    """The final result in Ansible's async results file, or None while the job runs."""
+    """The job's final result from its results file, or None while the job runs.
+
+    A job whose process is gone without a final result (killed, node crash) has ended:
+    that is reported as its failure, naming the pid.
+    """
     try:
         with open(job_file) as fh:
             data = json.load(fh)
     except (OSError, ValueError):
         return None  # not written yet
-    return None if data.get("started") and not data.get("finished") else data
+    if data.get("started") and not data.get("finished"):
+        pid = int(data.get("pid", 0))
+        if pid and not _alive(pid):
+            msg = f"the download job (pid {pid}) died without a result"
+            return {"failed": True, "finished": 1, "msg": msg}
+        return None
+    return data
+
+
+def _write_json(path: str, data: dict[str, Any]) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as fh:
+        json.dump(data, fh)
+    os.replace(tmp, path)
+
+
+def _job_main(opts: Options, job_file: str, timeout_s: int, ready_fd: int) -> None:
+    """The detached job: download, write the final result, exit (never returns)."""
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):  # the module's pipes must close for its run to end
+        os.dup2(devnull, fd)
+    rc = 1
+    try:
+        _write_json(job_file, {"started": 1, "finished": 0, "pid": os.getpid()})
+        os.write(ready_fd, b"1")
+        os.close(ready_fd)
+
+        def expire() -> None:
+            msg = f"the download did not end within model_download_timeout ({timeout_s} s)"
+            _write_json(job_file, {"failed": True, "finished": 1, "msg": msg})
+            os._exit(1)  # fetch threads die with the process; partials stay for a resume
+
+        timer = threading.Timer(timeout_s, expire)
+        timer.daemon = True
+        timer.start()
+        try:
+            result = {**download(opts), "failed": False}
+            rc = 0
+        except DownloadError as err:
+            result = {"failed": True, "msg": str(err)}
+        except BaseException as err:  # any end of the job must be reported, even SystemExit
+            result = {"failed": True, "msg": f"{type(err).__name__}: {err}"}
+        _write_json(job_file, {**result, "finished": 1})
+    finally:
+        os._exit(rc)  # never back into the module (or AnsiballZ's cleanup) in this process
+
+
+def start_job(opts: Options, timeout_s: int) -> dict[str, Any]:
+    """Start download(opts) in a detached process and return its results file.
+
+    Double fork and setsid, as Ansible's async_wrapper does, so the job outlives this
+    module run and the connection; one module run both plans and starts (no second
+    AnsiballZ round trip). wait_progress follows the results file.
+    """
+    jobs = os.path.join(opts.state_dir, "jobs")
+    os.makedirs(jobs, exist_ok=True)
+    for name in os.listdir(jobs):  # earlier runs' files; a running job holds the lock anyway
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(jobs, name))
+    job_file = os.path.join(jobs, f"{time.time_ns()}-{os.getpid()}.json")
+    ready_r, ready_w = os.pipe()
+    child = os.fork()
+    if child == 0:
+        try:
+            os.close(ready_r)
+            os.setsid()
+            if os.fork() == 0:
+                _job_main(opts, job_file, timeout_s, ready_w)
+        finally:
+            os._exit(0)
+    os.close(ready_w)
+    os.waitpid(child, 0)
+    with os.fdopen(ready_r, "rb") as ready:
+        if ready.read(1) != b"1":
+            raise DownloadError(f"The download job did not start (see {job_file}).")
+    return {"results_file": job_file, "started": True}
 
 
 def read_progress(opts: Options, job_file: str | None) -> dict[str, Any]:
@@ -1076,8 +1155,9 @@ def read_progress(opts: Options, job_file: str | None) -> dict[str, Any]:
 def wait_progress(opts: Options, wait_s: float, job_file: str | None = None) -> dict[str, Any]:
     """Wait up to wait_s for the download job to end; return its latest progress.
 
-    With ``job_file`` (the async task's results_file) the job has ended once Ansible wrote
-    its final result there; without, once progress.json says done/failed or its writer died.
+    With ``job_file`` (start_job's results file) the job has ended once its final result is
+    there or its process is gone; without, once progress.json says done/failed or its
+    writer died.
     """
     deadline = time.monotonic() + wait_s
     job = None

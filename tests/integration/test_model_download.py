@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PLAYBOOK = ROOT / "tests" / "integration" / "playbooks" / "download.yml"
 LOCAL_INVENTORY = ROOT / "inventory" / "local" / "hosts.yml"
 SHARD_BYTES = 256 * 1024
-START_TASK = "Start the download"
+FOLLOW_TASK = "Follow the download"  # runs only when the plan started a job
 VERIFY_TASK = "Check that this host sees the complete checkpoint"
 CACHE = Path(os.environ.get("VLLM_FLEET_CACHE", Path.home() / ".cache" / "vllm-fleet"))
 # Small repos of their own for the tests that change a repo or fill a disk.
@@ -213,7 +213,7 @@ def test_fresh_download_verifies_and_second_run_fetches_nothing(
     calls = [r.path for r in fresh_hub.requests("GET")]
     assert any("/revision/" in c for c in calls), calls
     assert not any("/tree/" in c for c in calls), calls
-    assert task_hosts(second, START_TASK, "runner_on_skipped") == ["localhost"]
+    assert task_hosts(second, FOLLOW_TASK, "runner_on_skipped") == ["localhost"]
     facts = [
         ev["event_data"]["res"].get("ansible_facts", {})
         for ev in second.events
@@ -581,8 +581,8 @@ def test_two_nodes_one_storage_domain_download_once(
     )
     assert result.status == "successful", failure_messages(result)
     first, second = nodes.nodes
-    assert task_hosts(result, START_TASK) == [first]
-    assert task_hosts(result, START_TASK, "runner_on_skipped") == [second]
+    assert task_hosts(result, FOLLOW_TASK) == [first]
+    assert task_hosts(result, FOLLOW_TASK, "runner_on_skipped") == [second]
     # The downloader's job proved its view; the other host checks its own.
     assert task_hosts(result, VERIFY_TASK) == [second]
     facts = [

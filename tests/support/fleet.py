@@ -172,7 +172,9 @@ def inventory(
             "hosts": hosts,
             # Throwaway local containers: no SSH host key to verify.
             "vars": {
-                "ansible_connection": "containers.podman.podman",
+                # Pipelined nsenter (connection_plugins/): one process per module run,
+                # not several podman ones on the CPUs the nodes share.
+                "ansible_connection": "vllm_fleet_container",
                 "ansible_host_key_checking": False,
             },
         }

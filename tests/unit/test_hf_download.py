@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import socket
+import subprocess
 import sys
 from importlib.metadata import version
 from pathlib import Path
@@ -329,3 +330,42 @@ def test_plan_with_another_hub_version_plans_nothing_and_names_the_installed_one
     assert not (tmp_path / "state").exists()
     # Without the check the same arguments do plan, and fail on the unreachable hub.
     assert "127.0.0.1:9" in fail_module(snapshot, {**args, "hub_version": ""})
+
+
+def test_a_started_job_runs_detached_and_reports_its_failure(tmp_path: Path) -> None:
+    # Nothing listens on port 9: the job's own plan fails; start_job has already returned.
+    o = opts(tmp_path, endpoint="http://127.0.0.1:9")
+    started = hd.start_job(o, timeout_s=60)
+    assert started["started"] is True
+    job_file = started["results_file"]
+    assert Path(job_file).parent == Path(o.state_dir) / "jobs"
+    result = hd.wait_progress(o, 60, job_file)
+    assert result["ended"] is True
+    assert result["job"]["failed"] is True
+    assert "127.0.0.1:9" in result["job"]["msg"]
+    assert not Path(o.local_dir).exists()  # nothing written into the checkpoint
+
+
+def test_a_job_past_its_timeout_ends_as_failed_naming_the_variable(tmp_path: Path) -> None:
+    # A hub that accepts the connection and never answers: only the timeout ends the job.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        port = silent.getsockname()[1]
+        o = opts(tmp_path, endpoint=f"http://127.0.0.1:{port}")
+        job_file = hd.start_job(o, timeout_s=1)["results_file"]
+        result = hd.wait_progress(o, 30, job_file)
+    assert result["ended"] is True and result["job"]["failed"] is True
+    assert "model_download_timeout (1 s)" in result["job"]["msg"]
+
+
+def test_a_job_gone_without_a_result_has_failed_naming_its_pid(tmp_path: Path) -> None:
+    proc = subprocess.Popen(["true"])  # its pid, once reaped, is a dead one
+    proc.wait()
+    job_file = tmp_path / "job.json"
+    job_file.write_text(json.dumps({"started": 1, "finished": 0, "pid": proc.pid}))
+    result = hd.job_result(str(job_file))
+    assert result is not None and result["failed"] is True
+    assert f"pid {proc.pid}" in result["msg"]
+    job_file.write_text(json.dumps({"started": 1, "finished": 0, "pid": os.getpid()}))
+    assert hd.job_result(str(job_file)) is None  # alive: still running

@@ -43,7 +43,7 @@ def test_inventory_gives_each_node_its_own_ports_and_core():
 
 def test_inventory_reaches_nodes_through_podman():
     inv = yaml.safe_load(fleet.inventory_yaml(2, cpus=2))
-    assert inv["gpu-nodes"]["vars"]["ansible_connection"] == "containers.podman.podman"
+    assert inv["gpu-nodes"]["vars"]["ansible_connection"] == "vllm_fleet_container"
 
 
 @pytest.mark.parametrize("nodes", [0, -1])
