@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PLAYBOOK = ROOT / "tests" / "integration" / "playbooks" / "download.yml"
 LOCAL_INVENTORY = ROOT / "inventory" / "local" / "hosts.yml"
 SHARD_BYTES = 256 * 1024
+DOWNLOAD_INCLUDE = "Download on the storage domain's downloader"
 FOLLOW_TASK = "Follow the download"  # runs only when the plan started a job
 VERIFY_TASK = "Check that this host sees the complete checkpoint"
 CACHE = Path(os.environ.get("VLLM_FLEET_CACHE", Path.home() / ".cache" / "vllm-fleet"))
@@ -199,7 +200,9 @@ def test_fresh_download_verifies_and_second_run_fetches_nothing(
     progress = [ev["event_data"]["res"]["vllm_fleet_poll"] for ev in rounds]
     assert progress and f"{len(manifest['files'])}/{len(manifest['files'])} files" in progress[-1]
     assert len({ev["event_data"]["task_uuid"] for ev in rounds}) == 1
-    assert not [ev for ev in first.events if ev["event"] == "playbook_on_include"]
+    # Polling includes nothing: the one include is the downloader's download.yml.
+    includes = [ev for ev in first.events if ev["event"] == "playbook_on_include"]
+    assert [Path(ev["event_data"]["included_file"]).name for ev in includes] == ["download.yml"]
 
     fresh_hub.reset()
     started = time.monotonic()
@@ -582,7 +585,8 @@ def test_two_nodes_one_storage_domain_download_once(
     assert result.status == "successful", failure_messages(result)
     first, second = nodes.nodes
     assert task_hosts(result, FOLLOW_TASK) == [first]
-    assert task_hosts(result, FOLLOW_TASK, "runner_on_skipped") == [second]
+    assert task_hosts(result, DOWNLOAD_INCLUDE, "runner_on_skipped") == [second]
+    assert second not in task_hosts(result, FOLLOW_TASK, "runner_on_skipped")
     # The downloader's job proved its view; the other host checks its own.
     assert task_hosts(result, VERIFY_TASK) == [second]
     facts = [
