@@ -1071,13 +1071,6 @@ def job_result(job_file: str) -> dict[str, Any] | None:
     return data
 
 
-def _write_json(path: str, data: dict[str, Any]) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as fh:
-        json.dump(data, fh)
-    os.replace(tmp, path)
-
-
 def _job_main(opts: Options, job_file: str, timeout_s: int, ready_fd: int) -> None:
     """The detached job: download, write the final result, exit (never returns)."""
     devnull = os.open(os.devnull, os.O_RDWR)
@@ -1085,13 +1078,13 @@ def _job_main(opts: Options, job_file: str, timeout_s: int, ready_fd: int) -> No
         os.dup2(devnull, fd)
     rc = 1
     try:
-        _write_json(job_file, {"started": 1, "finished": 0, "pid": os.getpid()})
+        write_json_atomic(job_file, {"started": 1, "finished": 0, "pid": os.getpid()})
         os.write(ready_fd, b"1")
         os.close(ready_fd)
 
         def expire() -> None:
             msg = f"the download did not end within model_download_timeout ({timeout_s} s)"
-            _write_json(job_file, {"failed": True, "finished": 1, "msg": msg})
+            write_json_atomic(job_file, {"failed": True, "finished": 1, "msg": msg})
             os._exit(1)  # fetch threads die with the process; partials stay for a resume
 
         timer = threading.Timer(timeout_s, expire)
@@ -1104,7 +1097,7 @@ def _job_main(opts: Options, job_file: str, timeout_s: int, ready_fd: int) -> No
             result = {"failed": True, "msg": str(err)}
         except BaseException as err:  # any end of the job must be reported, even SystemExit
             result = {"failed": True, "msg": f"{type(err).__name__}: {err}"}
-        _write_json(job_file, {**result, "finished": 1})
+        write_json_atomic(job_file, {**result, "finished": 1})
     finally:
         os._exit(rc)  # never back into the module (or AnsiballZ's cleanup) in this process
 
