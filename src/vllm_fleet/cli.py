@@ -305,6 +305,8 @@ def _merge_status(
     for name, state in probe.hosts.items():
         if name in model.hosts and state.node:
             model.hosts[name].node.update(state.node)
+        if state.router:
+            model.host(name).router.update(state.router)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

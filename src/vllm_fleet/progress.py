@@ -37,6 +37,8 @@ from vllm_fleet.redact import Redactor
 
 PROGRESS_KEY = "vllm_fleet_progress"
 NODE_KEY = "vllm_fleet_node"
+# What a router host reports (playbooks/status.yml): the fleet endpoint.
+ROUTER_KEY = "vllm_fleet_router"
 RESULT_EVENTS = {
     "runner_on_ok": "ok",
     "runner_on_failed": "failed",
@@ -138,6 +140,7 @@ class HostState:
     attempt: tuple[int, int] | None = None
     failure: Failure | None = None
     node: dict[str, Any] = field(default_factory=dict)
+    router: dict[str, Any] = field(default_factory=dict)
 
     @property
     def duration(self) -> float | None:
@@ -236,6 +239,9 @@ class FleetModel:
         node = _find_key(res, NODE_KEY)
         if isinstance(node, dict):
             state.node.update(node)
+        router = _find_key(res, ROUTER_KEY)
+        if isinstance(router, dict):
+            state.router.update(router)
         record: dict[str, Any] = {
             "type": "task_result",
             "host": state.name,

@@ -9,6 +9,8 @@ from vllm_fleet.progress import FleetModel, HostState, human_duration
 # Node facts reported by playbooks/status.yml (and by roles, under
 # vllm_fleet_node), in table order.
 NODE_FIELDS = ("unit", "health", "served_model", "release", "vllm_version", "endpoint")
+# The fleet endpoint, as each router host reports it (playbooks/status.yml).
+ROUTER_FIELDS = ("endpoint", "unit", "health", "workers")
 HEADINGS = {
     "host": "HOST",
     "result": "RESULT",
@@ -20,7 +22,28 @@ HEADINGS = {
     "vllm_version": "VLLM",
     "endpoint": "ENDPOINT",
     "duration": "DURATION",
+    "router": "ROUTER",
+    "workers": "WORKERS (as the router sees them)",
 }
+
+
+def routers(model: FleetModel) -> dict[str, dict[str, Any]]:
+    """Each router host's report: endpoint, unit, health, workers (URL -> state)."""
+    return {
+        name: {field: state.router.get(field) for field in ROUTER_FIELDS}
+        for name, state in model.hosts.items()
+        if state.router
+    }
+
+
+def routers_text(found: dict[str, dict[str, Any]]) -> str:
+    """The routers table ('' without routers)."""
+    rows = []
+    for name, router in found.items():
+        workers = router.get("workers")
+        listed = [f"{url} {state}" for url, state in (workers or {}).items()]
+        rows.append({**router, "router": name, "workers": ", ".join(listed) or "none"})
+    return table(rows, ["router", "endpoint", "unit", "health", "workers"]) if rows else ""
 
 
 def host_result(model: FleetModel, state: HostState, status: str = "successful") -> str:
@@ -58,6 +81,7 @@ def summary_object(
         "ansible_rc": rc,
         "duration": round(model.clock() - model.started, 1),
         "hosts": {name: host_summary(model, state, status) for name, state in model.hosts.items()},
+        "routers": routers(model),
         "failures": [failure.as_dict() for failure in model.failures()],
         "errors": model.errors[-20:] if exit_code not in (0, 1) else [],
     }
@@ -101,6 +125,8 @@ def summary_text(summary: dict[str, Any], with_node: bool) -> str:
         columns += ["release", "vllm_version", "endpoint", "health"]
     columns.append("duration")
     lines = ["", table(rows, columns)] if rows else [""]
+    if summary.get("routers"):
+        lines += ["", routers_text(summary["routers"])]
     for failure in summary["failures"]:
         where = failure["task"] + (f" (role {failure['role']})" if failure.get("role") else "")
         kind = "UNREACHABLE" if failure.get("unreachable") else "FAILED"
@@ -141,6 +167,7 @@ def status_object(model: FleetModel, exit_code: int) -> dict[str, Any]:
         "ok": exit_code == 0,
         "exit_code": exit_code,
         "hosts": hosts,
+        "routers": routers(model),
         "failures": [failure.as_dict() for failure in model.failures()],
         "errors": model.errors[-20:] if exit_code not in (0, 1) else [],
     }
@@ -152,6 +179,8 @@ def status_text(status: dict[str, Any]) -> str:
         if not row.get("reachable", True):
             row["unit"] = "unreachable"
     text = table(rows, ["host", *NODE_FIELDS])
+    if status.get("routers"):
+        text += "\n\n" + routers_text(status["routers"])
     for failure in status["failures"]:
         text += f"\n{failure['host']}: {failure['task']}: {failure['msg']}"
     if status["errors"]:

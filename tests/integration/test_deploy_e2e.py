@@ -81,14 +81,21 @@ RELEASES = f"/var/lib/vllm-fleet/releases/{SERVED}"
 
 
 def _inventory() -> dict[str, Any]:
-    inventory = fleet_mod.inventory(fleet_mod.DEFAULT_NODES, PREFIX)
+    inventory = fleet_mod.inventory(fleet_mod.DEFAULT_NODES, PREFIX, router=True)
     for host in inventory["gpu-nodes"]["hosts"].values():
         host["vllm_service_port"] += PORT_OFFSET
+    for host in inventory["routers"]["hosts"].values():
+        host["vllm_fleet_router_port"] += PORT_OFFSET
+        host["vllm_router_prometheus_port"] += PORT_OFFSET
     return inventory
 
 
 NODES = _inventory()["gpu-nodes"]["hosts"]
 FIRST = sorted(NODES)[0]
+# The fleet endpoint: vllm-router beside FIRST (group routers).
+ROUTER_PORT = fleet_mod.ROUTER_PORT + PORT_OFFSET
+ROUTER_UNIT = "vllm-router.service"
+ROUTER_WHEELHOUSE = CACHE / "wheelhouse" / "vllm-router-0.1.17"
 PROBE_TASK = f"Poll /health of vllm-{SERVED}"
 # The service play's two steps: every node compared in parallel, then only
 # the nodes that differ through the serial rolling path.
@@ -191,15 +198,19 @@ def inventory(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def fleet() -> Iterator[fleet_mod.Fleet]:
     if not (WHEELHOUSE / "requirements.txt").is_file():
         pytest.fail(f"{WHEELHOUSE} is missing: run `make wheelhouse`")
+    if not (ROUTER_WHEELHOUSE / "requirements.txt").is_file():
+        pytest.fail(f"{ROUTER_WHEELHOUSE} is missing: run `make router-wheelhouse`")
     demo_fleet = fleet_mod.up(fleet_mod.DEFAULT_NODES, prefix=PREFIX, fresh=True, wipe_storage=True)
-    target = demo_fleet.storage_dir / ".wheelhouse" / WHEELHOUSE.name
-    if not target.exists():
+    for source in (WHEELHOUSE, ROUTER_WHEELHOUSE):
+        target = demo_fleet.storage_dir / ".wheelhouse" / source.name
+        if target.exists():
+            continue
         target.parent.mkdir(parents=True, exist_ok=True)
         try:  # hard links: same filesystem under VLLM_FLEET_CACHE, no 900 MB copy
-            shutil.copytree(WHEELHOUSE.resolve(), target, copy_function=os.link)
+            shutil.copytree(source.resolve(), target, copy_function=os.link)
         except OSError:
             shutil.rmtree(target, ignore_errors=True)
-            shutil.copytree(WHEELHOUSE.resolve(), target)
+            shutil.copytree(source.resolve(), target)
     try:
         yield demo_fleet
     finally:
@@ -434,6 +445,97 @@ class HealthProbe(threading.Thread):
         }
 
 
+def complete_via_router(key: str | None = API_KEY, timeout: float = 120) -> int:
+    """One small completion through the fleet endpoint; its HTTP status."""
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{ROUTER_PORT}/v1/completions",
+        data=json.dumps(
+            {"model": SERVED, "prompt": "hi", "max_tokens": 2, "ignore_eos": True}
+        ).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    if key:
+        request.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            body = json.loads(resp.read())
+            assert body["usage"]["completion_tokens"] == 2, body
+            return resp.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+def finished_requests(node: str) -> float:
+    """Requests the node's vLLM finished (its /metrics counter, all reasons)."""
+    port = NODES[node]["vllm_service_port"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    found = re.findall(r"(?m)^vllm:request_success_total\{[^}]*\} ([0-9.e+]+)$", text)
+    return sum(float(value) for value in found)
+
+
+class ClientLoop(threading.Thread):
+    """Clients of the fleet endpoint: ``clients`` threads, each sending one small
+    completion through the router every ``pause_s`` until stopped (bounded by limit_s).
+    The pause keeps the load light: the nodes share this machine's cores."""
+
+    def __init__(self, clients: int = 2, pause_s: float = 0.25, limit_s: float = 1800.0) -> None:
+        super().__init__(daemon=True)
+        self.clients, self.pause_s, self.limit_s = clients, pause_s, limit_s
+        self.results: list[tuple[float, str]] = []  # (latency s, "200" or the error)
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+
+    def _client(self) -> None:
+        start = time.monotonic()
+        while not self._done.is_set() and time.monotonic() - start < self.limit_s:
+            sent = time.monotonic()
+            try:
+                outcome = str(complete_via_router())
+            except Exception as err:
+                outcome = f"{type(err).__name__}: {err}"
+            with self._lock:
+                self.results.append((time.monotonic() - sent, outcome))
+            self._done.wait(self.pause_s)
+
+    def run(self) -> None:
+        threads = [threading.Thread(target=self._client, daemon=True) for _ in range(self.clients)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+
+    def __enter__(self) -> ClientLoop:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self.join(timeout=180)
+
+    def summary(self) -> dict[str, Any]:
+        latencies = sorted(latency for latency, _ in self.results)
+        failed = [outcome for _, outcome in self.results if outcome != "200"]
+        return {
+            "clients": self.clients,
+            "sent": len(self.results),
+            "failed": len(failed),
+            "errors": sorted(set(failed))[:5],
+            "p50_s": round(latencies[len(latencies) // 2], 3) if latencies else None,
+            "max_s": round(latencies[-1], 3) if latencies else None,
+        }
+
+
+def router_workers() -> dict[str, bool]:
+    """The router's workers: URL -> healthy, as the router sees them."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{ROUTER_PORT}/workers", timeout=10) as resp:
+        return {w["url"]: w["is_healthy"] for w in json.loads(resp.read())["workers"]}
+
+
+def worker_url(node: str) -> str:
+    return f"http://127.0.0.1:{NODES[node]['vllm_service_port']}"
+
+
 def cli(tmp_path: Path, hub: HubServer, inventory: Path, *args: str) -> list[dict[str, Any]]:
     """Run the vllm-fleet console script with --json; its records, parsed."""
     variables = tmp_path / f"vars-{time.monotonic_ns()}.json"
@@ -514,6 +616,60 @@ def test_full_deploy_serves_on_every_node(deployed: Run, fleet: fleet_mod.Fleet)
         assert "Mismatch" not in report
 
 
+def test_the_fleet_endpoint_spreads_requests_and_passes_keys_through(deployed: Run) -> None:
+    """Issue 15: vllm-router beside FIRST, every serving node its worker."""
+    assert deployed.rc == 0, deployed.failed_msgs()
+    state = dict(
+        line.split("=", 1)
+        for line in node_sh(
+            FIRST, "systemctl", "show", "--property=ActiveState,MainPID", ROUTER_UNIT
+        ).splitlines()
+    )
+    assert state["ActiveState"] == "active", state
+    # An unprivileged system user (vllm_router_user).
+    assert node_sh(FIRST, "ps", "-o", "user=", "-p", state["MainPID"]).strip() == "vllm-router"
+    assert router_workers() == {worker_url(node): True for node in NODES}
+    shown = task_msgs(deployed, "Show the fleet endpoint")
+    assert shown and f"Fleet endpoint http://127.0.0.1:{ROUTER_PORT}" in shown[0], shown
+    assert all(f"{worker_url(node)} healthy" in shown[0] for node in NODES), shown
+    # The router's policy (round_robin in the demo group_vars) reaches both nodes.
+    before = {node: finished_requests(node) for node in NODES}
+    assert [complete_via_router() for _ in range(10)] == [200] * 10
+    served = {node: finished_requests(node) - before[node] for node in NODES}
+    MEASURED["router_spread"] = served
+    assert sum(served.values()) == 10 and all(n >= 1 for n in served.values()), served
+    # The key passes through to the servers, which check it.
+    assert complete_via_router(key="sk-wrong") == 401
+    assert complete_via_router(key=None) == 401
+
+
+def test_an_unreachable_router_fails_its_play_and_the_nodes_keep_serving(
+    deployed: Run, hub: HubServer, inventory: Path, tmp_path: Path
+) -> None:
+    """A second router host that is down: its play fails naming it; nothing else moves."""
+    gone = f"{PREFIX}-router-gone"
+    broken = tmp_path / "inventory"
+    shutil.copytree(inventory, broken)
+    hosts = yaml.safe_load((inventory / "hosts.yml").read_text())
+    hosts["routers"]["hosts"][gone] = {"ansible_connection": "vllm_fleet_container"}
+    (broken / "hosts.yml").write_text(yaml.safe_dump(hosts, sort_keys=False))
+    pids = {node: unit_state(node)["MainPID"] for node in NODES}
+    run = play(tmp_path, hub, broken, tags="router", limit="gpu-nodes:routers")
+    assert run.rc != 0
+    unreachable = [
+        e["event_data"]["res"].get("msg", "")
+        for e in run.events
+        if e["event"] == "runner_on_unreachable"
+    ]
+    assert len(unreachable) == 1 and f"container {gone} is not running" in unreachable[0]
+    assert run.changed() == {}, run.changed_tasks()
+    # The reachable router and the nodes serve as before.
+    assert {node: unit_state(node)["MainPID"] for node in NODES} == pids
+    assert complete_via_router() == 200
+    for node in NODES:
+        serving(node)
+
+
 def test_rerun_changes_nothing_and_keeps_secrets_out_of_vvv(
     deployed: Run, hub: HubServer, inventory: Path, tmp_path: Path
 ) -> None:
@@ -570,7 +726,18 @@ def test_cli_deploy_status_and_patch_config_on_the_fleet(
         assert str(host["vllm_version"]).startswith("0.32.0"), host
         assert str(NODES[name]["vllm_service_port"]) in host["endpoint"]
 
-    states = cli(tmp_path, hub, inventory, "status")[-1]["hosts"]
+    status = cli(tmp_path, hub, inventory, "status")[-1]
+    # Issue 15: the fleet endpoint and each worker as the router sees it.
+    assert status["routers"] == {
+        FIRST: {
+            "endpoint": f"http://127.0.0.1:{ROUTER_PORT}",
+            "unit": "active/running",
+            "health": "ok",
+            "workers": {worker_url(node): "healthy" for node in NODES},
+        }
+    }
+    assert summary["routers"] == status["routers"]
+    states = status["hosts"]
     for name in NODES:
         assert states[name]["unit"] == "active/running", states[name]
         assert (states[name]["health"], states[name]["served_model"]) == ("ok", SERVED)
@@ -643,12 +810,20 @@ def test_mixed_fleet_fp8_node_rolls_back_while_the_other_serves(
     host_vars.mkdir(exist_ok=True)
     (host_vars / f"{FIRST}.yml").write_text("quant_config_kv_cache_quant: original\n")
     try:
-        with HealthProbe() as probe:
+        with HealthProbe() as probe, ClientLoop() as clients:
             run = deploy(tmp_path, hub, inventory, tags="patch-config")
     finally:
         (host_vars / f"{FIRST}.yml").unlink()
     summary = probe.summary()
     MEASURED["mixed_fleet"] = {"wall_s": round(run.wall_s, 1), **summary}
+    MEASURED["automatic_rollback_clients"] = clients.summary()
+    print(f"\nautomatic rollback clients: {clients.summary()}")
+    # Issue 15: FIRST left the router before its restart and stays out after its
+    # automatic rollback; the clients never saw it go.
+    assert clients.summary()["sent"] > 0 and clients.summary()["failed"] == 0, clients.summary()
+    assert worker_url(FIRST) not in router_workers()
+    assert f"It stays out of the fleet endpoint (routers {FIRST})" in run.failed_msgs()
+    assert router_workers() == {worker_url(other): True}
     MEASURED["state_tree"] = state_tree(fleet.storage_dir)
     print(f"\nmixed fleet probe: {json.dumps(summary)}\n{MEASURED['state_tree']}")
     # FIRST ran the checkpoint itself: its engine resolved the FP8 KV cache and failed.
@@ -725,12 +900,16 @@ def test_rolling_update_keeps_a_node_serving(
     """Release B (another max-model-len), one node at a time under a /health probe."""
     good_b = {**PROFILE["vllm_fleet_engine_args"], "max-model-len": 256}
     pids = {node: unit_state(node)["MainPID"] for node in NODES}
-    with HealthProbe() as probe:
+    with HealthProbe() as probe, ClientLoop() as clients:
         run = deploy(tmp_path, hub, inventory, vllm_fleet_engine_args=good_b)
     summary = probe.summary()
     MEASURED["rolling_update"] = {"wall_s": round(run.wall_s, 1), **summary}
-    print(f"\nrolling update probe: {json.dumps(summary)}")
+    MEASURED["rolling_update_clients"] = clients.summary()
+    print(f"\nrolling update probe: {json.dumps(summary)}; clients: {clients.summary()}")
     assert run.rc == 0, run.failed_msgs() or run.stdout[-3000:]
+    # Issue 15: the routers took each node out before its restart: no client saw it.
+    assert clients.summary()["sent"] > 0 and clients.summary()["failed"] == 0, clients.summary()
+    assert router_workers() == {worker_url(node): True for node in NODES}
     # Serving nodes roll one per batch (vllm_fleet_serial: 1).
     assert run.batches(ROLLING_PLAY) == len(NODES)
     for node in NODES:
@@ -761,11 +940,15 @@ def test_rollback_yml_brings_release_a_back_byte_identical(
     assert "Rollback not confirmed" in unconfirmed.failed_msgs()
     assert {node: snapshot(node) for node in NODES} == before
     pids = {node: unit_state(node)["MainPID"] for node in NODES}
-    with HealthProbe() as probe:
+    with HealthProbe() as probe, ClientLoop() as clients:
         run = play(tmp_path, hub, inventory, "rollback.yml", rollback_confirm="yes")
     summary = probe.summary()
     MEASURED["rollback"] = {"wall_s": round(run.wall_s, 1), **summary}
+    MEASURED["rollback_clients"] = clients.summary()
+    print(f"\nrollback clients: {clients.summary()}")
     assert run.rc == 0, run.failed_msgs() or run.stdout[-3000:]
+    assert clients.summary()["sent"] > 0 and clients.summary()["failed"] == 0, clients.summary()
+    assert router_workers() == {worker_url(node): True for node in NODES}
     assert summary["min_nodes_up"] >= 1, summary
     for node in NODES:
         after = snapshot(node)

@@ -354,6 +354,7 @@ def test_json_renderer_and_summary_schema() -> None:
         "ansible_rc",
         "duration",
         "hosts",
+        "routers",
         "failures",
         "errors",
     }
@@ -495,3 +496,39 @@ def test_diff_mode_results_show_a_unified_diff() -> None:
     out = io.StringIO()
     PlainRenderer(model, out).record(record)
     assert '\n    -  "kv_cache_quant_algo": "FP8",' in out.getvalue()
+
+
+def test_router_status_table_lists_each_worker_as_the_router_sees_it() -> None:
+    model = FleetModel()
+    router = {
+        "endpoint": "http://127.0.0.1:8000",
+        "unit": "active/running",
+        "health": "ok",
+        "workers": {"http://127.0.0.1:8001": "healthy", "http://127.0.0.1:8002": "unhealthy"},
+    }
+    feed(
+        model,
+        [
+            ev.ok("node1", "Report the router status", {"vllm_fleet_router": router}),
+            ev.stats(ok={"node1": 3}),
+        ],
+    )
+    status = status_object(model, exit_code=0)
+    assert status["routers"] == {"node1": router}
+    lines = status_text(status).splitlines()
+    header = lines.index(next(line for line in lines if line.startswith("ROUTER")))
+    assert lines[header + 1].split() == [
+        "node1",
+        "http://127.0.0.1:8000",
+        "active/running",
+        "ok",
+        "http://127.0.0.1:8001",
+        "healthy,",
+        "http://127.0.0.1:8002",
+        "unhealthy",
+    ]
+    summary = summary_object(model, HEADER, exit_code=0, status="successful", rc=0)
+    assert summary["routers"] == {"node1": router}
+    assert "http://127.0.0.1:8002 unhealthy" in summary_text(summary, with_node=True)
+    # Without a router the summary has no routers table.
+    assert "ROUTER" not in status_text(status_object(FleetModel(), exit_code=0))
