@@ -479,7 +479,7 @@ class ClientLoop(threading.Thread):
     completion through the router every ``pause_s`` until stopped (bounded by limit_s).
     The pause keeps the load light: the nodes share this machine's cores."""
 
-    def __init__(self, clients: int = 2, pause_s: float = 0.25, limit_s: float = 1800.0) -> None:
+    def __init__(self, clients: int = 2, pause_s: float = 1.0, limit_s: float = 1800.0) -> None:
         super().__init__(daemon=True)
         self.clients, self.pause_s, self.limit_s = clients, pause_s, limit_s
         self.results: list[tuple[float, str]] = []  # (latency s, "200" or the error)
