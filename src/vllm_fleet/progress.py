@@ -5,7 +5,7 @@ the normalized records it implies (``play_start``, ``task_start``,
 ``task_result``, ``retry``, ``progress``, ``warning``, ``error``); the model
 keeps per-host state (current step and task, counts, progress bars, failure,
 node facts) for the live view and the end summary. Renderers draw those
-records: ``TtyRenderer`` (a live block per host, redrawn in place),
+records: ``TtyRenderer`` (a rich live block per host, redrawn in place),
 ``PlainRenderer`` (one line per record, for logs and pipes) and
 ``JsonRenderer`` (newline-delimited JSON).
 
@@ -26,12 +26,16 @@ import contextlib
 import difflib
 import json
 import re
-import shutil
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, TextIO
+
+from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
+from rich.live import Live
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+from rich.text import Text
 
 from vllm_fleet.redact import Redactor
 
@@ -191,6 +195,8 @@ class FleetModel:
                     name: bar for name, bar in state.progress.items() if (bar.fraction or 0) < 1
                 }
             state.play, state.task, state.attempt = data.get("play"), data.get("task"), None
+            # Working again: its elapsed time moves until this task's result.
+            state.ended = None
             if state.started is None:
                 state.started = self.clock()
             return []
@@ -507,20 +513,25 @@ def _count(value: float | None) -> str:
 
 def describe_progress(progress: Progress, width: int = 24) -> str:
     """'download [####....] 42.0%  3/8 files  1.2 GB/2.9 GB  210.0 MB/s'."""
+    percent, *figures = progress_figures(progress)
+    return "  ".join([f"{progress.kind:<8} {bar(progress.fraction, width)} {percent:>6}", *figures])
+
+
+def progress_figures(progress: Progress) -> list[str]:
+    """A bar's figures, shared by plain lines and the live view: percent, count, bytes, rate."""
     unit = "shards" if progress.kind == "load" else "files"
     fraction = progress.fraction
-    percent = "?%" if fraction is None else f"{fraction * 100:.1f}%"
-    parts = [f"{progress.kind:<8} {bar(fraction, width)} {percent:>6}"]
+    figures = ["?%" if fraction is None else f"{fraction * 100:.1f}%"]
     if progress.total is not None or progress.done is not None:
-        parts.append(f"{_count(progress.done)}/{_count(progress.total)} {unit}")
+        figures.append(f"{_count(progress.done)}/{_count(progress.total)} {unit}")
     if progress.bytes_total is not None or progress.bytes_done is not None:
-        parts.append(f"{human_bytes(progress.bytes_done)}/{human_bytes(progress.bytes_total)}")
+        figures.append(f"{human_bytes(progress.bytes_done)}/{human_bytes(progress.bytes_total)}")
     if progress.rate:
         if progress.kind == "load":
-            parts.append(f"{progress.rate:.2f} shards/s")
+            figures.append(f"{progress.rate:.2f} shards/s")
         else:
-            parts.append(f"{human_bytes(progress.rate)}/s")
-    return "  ".join(parts)
+            figures.append(f"{human_bytes(progress.rate)}/s")
+    return figures
 
 
 def describe_result(record: dict[str, Any]) -> str:
@@ -650,73 +661,103 @@ class PlainRenderer(Renderer):
 
 
 class TtyRenderer(PlainRenderer):
-    """Finished tasks scroll above; a live block (one line per host) is redrawn below it."""
+    """Finished tasks scroll above a rich ``Live`` block: one row per host, its bars below.
+
+    Rich owns the terminal: it redraws the block on its own thread (so elapsed
+    times move during a long silent task), prints scrolled lines above it,
+    and clears it on close.
+    """
+
+    # Elapsed times change once a second; a quicker redraw only animates the
+    # pulse of a bar whose total is unknown.
+    REFRESH_PER_SECOND = 2.0
+    BAR_WIDTH = 24
 
     def __init__(
-        self, model: FleetModel, stream: TextIO | None = None, verbose: bool = False
+        self,
+        model: FleetModel,
+        stream: TextIO | None = None,
+        verbose: bool = False,
+        console: Console | None = None,
     ) -> None:
         super().__init__(model, stream, verbose)
-        self._drawn = 0
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._ticker: threading.Thread | None = None
+        # Task names and messages are data: no markup, emoji codes or highlighting.
+        self.console = console or Console(
+            file=self.stream, markup=False, emoji=False, highlight=False
+        )
+        self._last_view: RenderableType = Group()
+        # The renderer is the live renderable: each draw reads the model afresh.
+        self.live = Live(
+            self,
+            console=self.console,
+            refresh_per_second=self.REFRESH_PER_SECOND,
+            transient=True,
+        )
 
     def start(self, header: dict[str, Any]) -> None:
         super().start(header)
-        self._ticker = threading.Thread(target=self._tick, daemon=True)
-        self._ticker.start()
+        self.live.start()
 
     def record(self, record: dict[str, Any]) -> None:
         # Progress also scrolls (throttled like plain text), so the history
         # keeps how a download or load went; the live block shows it now.
         text = self.format(record)
-        with self._lock:
-            self._erase()
-            if text is not None:
-                self.stream.write(text + "\n")
-            self._draw()
+        if text is not None:
+            self.emit(text)
 
     def close(self) -> None:
-        self._stop.set()
-        if self._ticker is not None:
-            self._ticker.join(timeout=2)
-        with self._lock:
-            self._erase()
+        self.live.stop()
 
-    def _tick(self) -> None:
-        # Elapsed times keep moving during a long silent task (a 15-minute load).
-        while not self._stop.wait(1.0):
-            with self._lock:
-                self._erase()
-                self._draw()
+    def emit(self, text: str) -> None:
+        # While live, Console.print scrolls the text in above the block; Text
+        # is never parsed as markup, and soft wrap leaves long lines to the terminal.
+        self.console.print(Text(text), soft_wrap=True)
 
-    def _erase(self) -> None:
-        if self._drawn:
-            self.stream.write(f"\x1b[{self._drawn}F\x1b[J")
-            self._drawn = 0
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        # rich's refresh thread draws this while events change the model: an
+        # exception here would end that thread silently (and the elapsed
+        # times would freeze), so a failed draw shows the last good one.
+        with contextlib.suppress(Exception):  # a race with the event thread: redrawn in 0.5 s
+            self._last_view = self.live_view()
+        yield self._last_view
 
-    def _draw(self) -> None:
-        lines = self.live_lines(shutil.get_terminal_size((120, 40)).columns)
-        for line in lines:
-            self.stream.write(line + "\n")
-        self._drawn = len(lines)
-        self.stream.flush()
-
-    def live_lines(self, columns: int) -> list[str]:
-        lines = []
-        width = max((len(name) for name in self.model.hosts), default=4)
-        for state in self.model.hosts.values():
+    def live_view(self) -> RenderableType:
+        """The live block: per host its name, elapsed time, task and waiting attempt, then bars."""
+        grid = Table.grid(padding=(0, 2), pad_edge=True)
+        grid.add_column(no_wrap=True, style="bold")
+        grid.add_column(justify="right", no_wrap=True)
+        # Only the task column gives way on a narrow terminal: its text is cut.
+        grid.add_column()
+        # Snapshots: rich calls this from its refresh thread while events arrive.
+        for state in list(self.model.hosts.values()):
             if state.ended is not None and state.task is None:
                 continue
-            head = f"  {state.name:<{width}}  {human_duration(state.duration):>7}  "
-            task = state.task or ""
-            if state.attempt:
-                task += f"  (waiting, attempt {state.attempt[0]}/{state.attempt[1]})"
-            lines.append((head + task)[: columns - 1])
-            for progress in state.progress.values():
-                line = " " * (width + 13) + describe_progress(progress)
-                lines.append(line[: columns - 1])
-        return lines
+            # Read each field once: the event thread may change it meanwhile.
+            task = Text(state.task or "", no_wrap=True, overflow="ellipsis")
+            attempt = state.attempt
+            if attempt:
+                task.append(f"  (waiting, attempt {attempt[0]}/{attempt[1]})", "cyan")
+            grid.add_row(state.name, human_duration(state.duration), task)
+            for progress in list(state.progress.values()):
+                grid.add_row("", "", self._progress_row(progress))
+        return grid if grid.row_count else Group()
+
+    def _progress_row(self, progress: Progress) -> Table:
+        row = Table.grid(padding=(0, 1))
+        row.add_column(min_width=8, no_wrap=True)
+        row.add_column(width=self.BAR_WIDTH, no_wrap=True)
+        row.add_column()
+        fraction = progress.fraction
+        # No fraction: rich pulses the bar instead of drawing question marks.
+        meter = ProgressBar(
+            total=None if fraction is None else 1.0,
+            completed=fraction or 0.0,
+            width=self.BAR_WIDTH,
+        )
+        percent, *figures = progress_figures(progress)
+        text = Text("  ".join([f"{percent:>6}", *figures]), no_wrap=True, overflow="ellipsis")
+        row.add_row(progress.kind, meter, text)
+        return row
 
 
 def header_line(header: dict[str, Any]) -> str:

@@ -8,7 +8,16 @@ from vllm_fleet.progress import FleetModel, HostState, human_duration
 
 # Node facts reported by playbooks/status.yml (and by roles, under
 # vllm_fleet_node), in table order.
-NODE_FIELDS = ("unit", "health", "served_model", "release", "vllm_version", "endpoint")
+NODE_FIELDS = ("unit", "health", "served_model", "release", "vllm_version", "endpoint", "load")
+# A node's load (playbooks/status.yml, under "load"): Prometheus's figures when
+# the fleet has one, else the node's own /metrics; columns of the status table.
+# throughput: generated tokens per second (a key without "token", which the
+# redactor would hide).
+LOAD_FIELDS = ("running", "waiting", "kv_cache_usage", "throughput")
+LOAD_SOURCES = {
+    "prometheus": "Prometheus; tokens/s over the last minute",
+    "metrics": "each node's /metrics; tokens/s between two reads",
+}
 # The fleet endpoint, as each router host reports it (playbooks/status.yml).
 ROUTER_FIELDS = ("endpoint", "unit", "health", "workers")
 HEADINGS = {
@@ -24,6 +33,10 @@ HEADINGS = {
     "duration": "DURATION",
     "router": "ROUTER",
     "workers": "WORKERS (as the router sees them)",
+    "running": "RUNNING",
+    "waiting": "WAITING",
+    "kv_cache_usage": "KV CACHE",
+    "throughput": "TOKENS/S",
 }
 
 
@@ -173,12 +186,39 @@ def status_object(model: FleetModel, exit_code: int) -> dict[str, Any]:
     }
 
 
+def load_cells(load: dict[str, Any] | None) -> dict[str, str]:
+    """A node's load figures as table cells ('-' where unknown)."""
+    load = load or {}
+    cells = {field: "-" for field in LOAD_FIELDS}
+    for field in ("running", "waiting"):
+        if isinstance(load.get(field), int | float):
+            cells[field] = f"{load[field]:.0f}"
+    if isinstance(load.get("kv_cache_usage"), int | float):
+        cells["kv_cache_usage"] = f"{100 * load['kv_cache_usage']:.1f}%"
+    if isinstance(load.get("throughput"), int | float):
+        cells["throughput"] = f"{load['throughput']:.1f}"
+    return cells
+
+
 def status_text(status: dict[str, Any]) -> str:
-    rows = [{"host": name} | node for name, node in status["hosts"].items()]
+    rows = [
+        {"host": name} | node | load_cells(node.get("load"))
+        for name, node in status["hosts"].items()
+    ]
     for row in rows:
         if not row.get("reachable", True):
             row["unit"] = "unreachable"
-    text = table(rows, ["host", *NODE_FIELDS])
+    fields = [field for field in NODE_FIELDS if field != "load"]
+    text = table(rows, ["host", *fields, *LOAD_FIELDS])
+    sources = sorted(
+        {
+            node["load"]["source"]
+            for node in status["hosts"].values()
+            if isinstance(node.get("load"), dict) and node["load"].get("source")
+        }
+    )
+    if sources:
+        text += "\n(load from " + " and ".join(LOAD_SOURCES.get(s, s) for s in sources) + ")"
     if status.get("routers"):
         text += "\n\n" + routers_text(status["routers"])
     for failure in status["failures"]:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import base64
 import io
 import json
+import time
 
 import pytest
+from rich.console import Console
 
 from tests.unit import cli_events as ev
 from vllm_fleet.progress import (
@@ -271,6 +273,25 @@ def test_finished_bar_is_dropped_when_the_next_task_starts() -> None:
     assert model.hosts["node1"].progress == {}
 
 
+def test_elapsed_time_moves_while_a_task_runs() -> None:
+    """A long silent task (a model load) after a finished one: the live view's
+    elapsed time keeps growing until that task's result."""
+    model = FleetModel()
+    feed(model, [ev.play(), ev.start("node1", "Restart"), ev.ok("node1", "Restart", {})])
+    state = model.hosts["node1"]
+    done = state.duration
+    time.sleep(0.01)
+    assert done is not None and state.duration == done  # finished: it stands still
+    feed(model, [ev.start("node1", "Poll /health")])
+    first = state.duration
+    time.sleep(0.01)
+    assert first is not None and state.duration > first
+    feed(model, [ev.ok("node1", "Poll /health", {})])
+    finished = state.duration
+    time.sleep(0.01)
+    assert state.duration == finished
+
+
 def test_plain_renderer_lines() -> None:
     model = FleetModel()
     out = io.StringIO()
@@ -305,20 +326,62 @@ def test_plain_renderer_throttles_progress() -> None:
     assert lines[-1].endswith("100/100 shards")
 
 
+def tty_renderer(model: FleetModel, out: io.StringIO, width: int = 160) -> TtyRenderer:
+    """A TtyRenderer on a forced terminal without colour; draws only when a line is printed."""
+    console = Console(file=out, force_terminal=True, width=width, color_system=None)
+    renderer = TtyRenderer(model, out, console=console)
+    renderer.live.auto_refresh = False  # no refresh thread: the output is deterministic
+    return renderer
+
+
+def live_lines(renderer: TtyRenderer, width: int = 160) -> list[str]:
+    """The live block as the terminal shows it, trailing padding stripped."""
+    console = Console(file=io.StringIO(), force_terminal=True, width=width, color_system=None)
+    with console.capture() as capture:
+        console.print(renderer.live_view())
+    return [line.rstrip() for line in capture.get().splitlines()]
+
+
 def test_tty_renderer_redraws_live_block() -> None:
     model = FleetModel()
     out = io.StringIO()
-    renderer = TtyRenderer(model, out)
+    renderer = tty_renderer(model, out)
+    renderer.start(HEADER)
     for event in deploy_events()[:4]:
         for record in model.handle(event):
             renderer.record(record)
-    live = renderer.live_lines(160)
+    live = live_lines(renderer)
     assert live[0].startswith("  node1")
     assert "Wait for the download  (waiting, attempt 2/100)" in live[0]
-    assert "download [############............]  50.0%" in live[1]
+    # Half of rich's bar is drawn; without colour the rest is blank.
+    bar = "━" * 12 + " " * 12
+    assert f"download {bar}  50.0%  3/8 files  1.2 GB/2.4 GB  200.0 MB/s" in live[1]
     renderer.record({"type": "play_start", "play": "Serve"})
-    # The block is erased (cursor up + clear) before the next line scrolls in.
-    assert f"\x1b[{len(live)}F\x1b[J== Serve" in out.getvalue()
+    # The block is erased (cursor up + clear, line by line) before the next line
+    # scrolls in, and drawn again below it.
+    erase = "\r\x1b[2K" + "\x1b[1A\x1b[2K" * (len(live) - 1)
+    text = out.getvalue()
+    assert f"{erase}== Serve\n{live[0]}" in text
+    assert text.index("waiting     node1: Wait for the download") < text.rindex(live[0])
+    renderer.close()
+    # Closing clears the block and shows the cursor again.
+    assert out.getvalue().endswith("\x1b[?25h\r" + "\x1b[1A\x1b[2K" * len(live))
+
+
+def test_tty_renderer_prints_task_text_literally_and_cuts_long_lines() -> None:
+    model = FleetModel()
+    out = io.StringIO()
+    renderer = tty_renderer(model, out, width=60)
+    name = "Render [bold]templates[/bold] :smile: " + "x" * 80
+    for event in [ev.play(), ev.start("node1", name), ev.ok("node1", name, {"changed": True})]:
+        for record in model.handle(event):
+            renderer.record(record)
+    # Brackets and emoji codes are data, not rich markup; the terminal wraps the line.
+    assert f"changed     node1: {name}\n" in out.getvalue()
+    model.handle(ev.start("node1", name))
+    (line,) = live_lines(renderer, width=60)
+    assert line.startswith("  node1  ") and line.endswith("…")
+    assert len(line) <= 60
     renderer.close()
 
 
@@ -403,6 +466,13 @@ def test_status_table_and_object() -> None:
         "release": "r2",
         "vllm_version": "0.32.0",
         "endpoint": "http://127.0.0.1:8001",
+        "load": {
+            "running": 2.0,
+            "waiting": 1.0,
+            "kv_cache_usage": 0.4237,
+            "throughput": 57.25,
+            "source": "prometheus",
+        },
     }
     feed(
         model,
@@ -415,9 +485,13 @@ def test_status_table_and_object() -> None:
     status = status_object(model, exit_code=1)
     assert status["hosts"]["node1"] == node | {"reachable": True}
     assert status["hosts"]["node2"]["reachable"] is False
+    assert status["hosts"]["node2"]["load"] is None
     text = status_text(status)
     rows = [line.split() for line in text.splitlines()]
-    assert rows[0] == ["HOST", "UNIT", "HEALTH", "MODEL", "RELEASE", "VLLM", "ENDPOINT"]
+    assert rows[0] == [
+        "HOST", "UNIT", "HEALTH", "MODEL", "RELEASE", "VLLM", "ENDPOINT",
+        "RUNNING", "WAITING", "KV", "CACHE", "TOKENS/S",
+    ]  # fmt: skip
     assert rows[1] == [
         "node1",
         "active/running",
@@ -426,8 +500,33 @@ def test_status_table_and_object() -> None:
         "r2",
         "0.32.0",
         node["endpoint"],
+        "2",
+        "1",
+        "42.4%",
+        "57.2",
     ]
     assert rows[2][:2] == ["node2", "unreachable"]
+    assert rows[2][-4:] == ["-", "-", "-", "-"]
+    assert text.splitlines()[3] == "(load from Prometheus; tokens/s over the last minute)"
+
+
+def test_status_load_from_the_nodes_metrics() -> None:
+    model = FleetModel()
+    load = {"running": 0.0, "waiting": 0.0, "kv_cache_usage": 0.0, "throughput": 0.0}
+    feed(
+        model,
+        [
+            ev.ok("node1", "Report the node status",
+                  {"vllm_fleet_node": {"unit": "active/running",
+                                       "load": load | {"source": "metrics"}}}),
+            ev.ok("node2", "Report the node status",
+                  {"vllm_fleet_node": {"unit": "inactive/dead", "load": {}}}),
+        ],
+    )  # fmt: skip
+    lines = status_text(status_object(model, exit_code=0)).splitlines()
+    assert lines[1].split()[-4:] == ["0", "0", "0.0%", "0.0"]
+    assert lines[2].split()[-4:] == ["-", "-", "-", "-"]
+    assert lines[3] == "(load from each node's /metrics; tokens/s between two reads)"
 
 
 def test_ansible_error_output_is_kept_for_the_summary() -> None:
