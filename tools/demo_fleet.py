@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tests.support import fleet as fleet_mod  # noqa: E402
-from tests.support import tiny_model  # noqa: E402
+from tests.support import prometheus, tiny_model  # noqa: E402
 from tests.support.hub_server import HubServer  # noqa: E402
 
 CACHE = fleet_mod.cache_dir()
@@ -130,6 +130,23 @@ def sample(port: int) -> str:
     return f"{tokens} tokens: {answer['choices'][0]['message']['content']!r}"
 
 
+def show_prometheus(nodes: tuple[str, ...]) -> None:
+    """Prometheus's URL, and a query over the completions just sent."""
+    port = fleet_mod.MONITORING_PORT
+    expr = 'sum by (node) (vllm:request_success_total{job="vllm"})'
+    say(f"Prometheus at http://127.0.0.1:{port} (alert rules: /api/v1/rules); {expr}:")
+    try:
+        # The completions above count once each node has been scraped again.
+        series = prometheus.wait_for(
+            port, expr, lambda found: set(prometheus.by_label(found)) >= set(nodes), 30
+        )
+    except (OSError, TimeoutError) as err:
+        print(f"  no answer: {err}")
+        return
+    for node, value in sorted(prometheus.by_label(series).items()):
+        print(f"  {node}: {value:.0f} requests finished")
+
+
 def deploy_command(extra: dict[str, str], *, cli: bool) -> list[str]:
     """ansible-playbook deploy.yml, or the same through the vllm-fleet CLI."""
     program, command = ("vllm-fleet", "deploy") if cli else ("ansible-playbook", "deploy.yml")
@@ -173,6 +190,7 @@ def main(argv: list[str]) -> int:
     router = fleet_mod.ROUTER_PORT
     say("the fleet endpoint (vllm-router in front of every node):")
     print(f"  http://127.0.0.1:{router}/v1  ->  {sample(router)}")
+    show_prometheus(fleet.nodes)
     print()
     peaks = {node: peak_bytes(node) for node in fleet.nodes}
     healthy = {node: time_to_healthy(node) for node in fleet.nodes}

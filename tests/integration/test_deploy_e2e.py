@@ -38,7 +38,7 @@ import pytest
 import yaml
 
 from tests.support import fleet as fleet_mod
-from tests.support import tiny_model
+from tests.support import prometheus, promql, tiny_model
 from tests.support.ansible_module import (  # noqa: F401 (patch_ansible_module: autouse fixture)
     load_module,
     patch_ansible_module,
@@ -81,12 +81,14 @@ RELEASES = f"/var/lib/vllm-fleet/releases/{SERVED}"
 
 
 def _inventory() -> dict[str, Any]:
-    inventory = fleet_mod.inventory(fleet_mod.DEFAULT_NODES, PREFIX, router=True)
+    inventory = fleet_mod.inventory(fleet_mod.DEFAULT_NODES, PREFIX, router=True, monitoring=True)
     for host in inventory["gpu-nodes"]["hosts"].values():
         host["vllm_service_port"] += PORT_OFFSET
     for host in inventory["routers"]["hosts"].values():
         host["vllm_fleet_router_port"] += PORT_OFFSET
         host["vllm_router_prometheus_port"] += PORT_OFFSET
+    for host in inventory["monitoring"]["hosts"].values():
+        host["vllm_fleet_monitoring_port"] += PORT_OFFSET
     return inventory
 
 
@@ -96,6 +98,19 @@ FIRST = sorted(NODES)[0]
 ROUTER_PORT = fleet_mod.ROUTER_PORT + PORT_OFFSET
 ROUTER_UNIT = "vllm-router.service"
 ROUTER_WHEELHOUSE = CACHE / "wheelhouse" / "vllm-router-0.1.17"
+# Prometheus beside FIRST (group monitoring), with the demo's short
+# intervals (inventory/demo/group_vars/monitoring.yml).
+PROMETHEUS_PORT = fleet_mod.MONITORING_PORT + PORT_OFFSET
+PROMETHEUS_UNIT = "vllm-fleet-prometheus.service"
+RULES = ROOT / "roles/monitoring/templates/vllm-fleet.rules.yml.j2"
+DASHBOARD = ROOT / "roles/monitoring/files/vllm-fleet-dashboard.json"
+# The alerts the rules file defines (tests/unit/test_alert_rules.py names them).
+ALERTS = {
+    rule["alert"]
+    for group in yaml.safe_load(RULES.read_text())["groups"]
+    for rule in group["rules"]
+    if "alert" in rule
+}
 PROBE_TASK = f"Poll /health of vllm-{SERVED}"
 # The service play's two steps: every node compared in parallel, then only
 # the nodes that differ through the serial rolling path.
@@ -298,6 +313,14 @@ def unit_state(node: str) -> dict[str, str]:
         UNIT,
     )
     return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+
+def unit_runs_as(node: str, unit: str) -> tuple[str, str]:
+    """A unit's ActiveState and the user its main process runs as."""
+    out = node_sh(node, "systemctl", "show", "--property=ActiveState,MainPID", unit)
+    state = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+    user = node_sh(node, "ps", "-o", "user=", "-p", state["MainPID"]).strip()
+    return state["ActiveState"], user
 
 
 def file_sha(node: str, path: str) -> str:
@@ -619,15 +642,8 @@ def test_full_deploy_serves_on_every_node(deployed: Run, fleet: fleet_mod.Fleet)
 def test_the_fleet_endpoint_spreads_requests_and_passes_keys_through(deployed: Run) -> None:
     """Issue 15: vllm-router beside FIRST, every serving node its worker."""
     assert deployed.rc == 0, deployed.failed_msgs()
-    state = dict(
-        line.split("=", 1)
-        for line in node_sh(
-            FIRST, "systemctl", "show", "--property=ActiveState,MainPID", ROUTER_UNIT
-        ).splitlines()
-    )
-    assert state["ActiveState"] == "active", state
     # An unprivileged system user (vllm_router_user).
-    assert node_sh(FIRST, "ps", "-o", "user=", "-p", state["MainPID"]).strip() == "vllm-router"
+    assert unit_runs_as(FIRST, ROUTER_UNIT) == ("active", "vllm-router")
     assert router_workers() == {worker_url(node): True for node in NODES}
     shown = task_msgs(deployed, "Show the fleet endpoint")
     assert shown and f"Fleet endpoint http://127.0.0.1:{ROUTER_PORT}" in shown[0], shown
@@ -641,6 +657,58 @@ def test_the_fleet_endpoint_spreads_requests_and_passes_keys_through(deployed: R
     # The key passes through to the servers, which check it.
     assert complete_via_router(key="sk-wrong") == 401
     assert complete_via_router(key=None) == 401
+
+
+def live_metric_names(node: str) -> set[str]:
+    """Every metric family the node's vLLM exports now (its /metrics)."""
+    port = NODES[node]["vllm_service_port"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return set(re.findall(r"(?m)^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})? ", text))
+
+
+def test_prometheus_scrapes_every_node_and_counts_a_completion(deployed: Run) -> None:
+    """Issue 18: Prometheus beside FIRST scrapes both nodes and the router, with
+    the fleet's alert rules; the dashboard and rules name only live metrics."""
+    assert deployed.rc == 0, deployed.failed_msgs()
+    assert unit_runs_as(FIRST, PROMETHEUS_UNIT) == ("active", "prometheus")
+    # The package's own Prometheus stays off: one per monitoring host.
+    enabled = fleet_mod.exec_in(
+        FIRST, ["systemctl", "is-enabled", "prometheus.service"], check=False
+    )
+    assert enabled.stdout.strip() == "disabled", enabled
+    found = prometheus.wait_for(
+        PROMETHEUS_PORT, 'up{job=~"vllm|vllm-router"}',
+        lambda series: len(series) == len(NODES) + 1 and all(s["value"][1] == "1" for s in series),
+    )  # fmt: skip
+    jobs = {(s["metric"]["job"], s["metric"]["node"]) for s in found}
+    assert jobs == {("vllm", node) for node in NODES} | {("vllm-router", FIRST)}, found
+    targets = prometheus.targets(PROMETHEUS_PORT)
+    for node in NODES:
+        url = f"{worker_url(node)}/metrics"
+        assert targets[url]["health"] == "up", targets
+    rules = prometheus.api(PROMETHEUS_PORT, "rules")["groups"]
+    assert {r["name"] for g in rules for r in g["rules"] if r["type"] == "alerting"} == ALERTS
+    # A completion on FIRST raises its request counter in Prometheus.
+    expr = 'sum by (node) (vllm:request_success_total{job="vllm"})'
+    before = prometheus.by_label(prometheus.query(PROMETHEUS_PORT, expr))
+    serving(FIRST)
+    after = prometheus.by_label(
+        prometheus.wait_for(
+            PROMETHEUS_PORT, expr,
+            lambda series: prometheus.by_label(series).get(FIRST, 0) > before.get(FIRST, 0),
+        )
+    )  # fmt: skip
+    MEASURED["prometheus_requests"] = {"before": before, "after": after}
+    assert after[FIRST] >= before.get(FIRST, 0) + 1
+    # Every metric the rules and the dashboard query is one vLLM exports
+    # (or one Prometheus makes itself).
+    live = live_metric_names(FIRST) | {"up", "ALERTS"}
+    exprs = promql.rule_exprs(RULES) + promql.dashboard_exprs(DASHBOARD)
+    named = {promql.base_metric(name) for expr in exprs for name in promql.referenced_metrics(expr)}
+    families = {promql.base_metric(name) for name in live}
+    MEASURED["dashboard_metrics"] = sorted(named)
+    assert named and named <= families, sorted(named - families)
 
 
 def test_an_unreachable_router_fails_its_play_and_the_nodes_keep_serving(
@@ -742,6 +810,20 @@ def test_cli_deploy_status_and_patch_config_on_the_fleet(
         assert states[name]["unit"] == "active/running", states[name]
         assert (states[name]["health"], states[name]["served_model"]) == ("ok", SERVED)
         assert states[name]["release"] == snapshot(name)["current"], states[name]
+        # Issue 18: its load, from the fleet's Prometheus.
+        load = states[name]["load"]
+        assert load["source"] == "prometheus", load
+        assert set(load) == {"running", "waiting", "kv_cache_usage", "throughput", "source"}
+        assert 0.0 <= load["kv_cache_usage"] <= 1.0 and load["throughput"] >= 0.0, load
+    # Without a monitoring host: the same figures from each node's /metrics.
+    bare = tmp_path / "no-monitoring"
+    shutil.copytree(inventory, bare)
+    hosts = yaml.safe_load((inventory / "hosts.yml").read_text())
+    del hosts["monitoring"]
+    (bare / "hosts.yml").write_text(yaml.safe_dump(hosts, sort_keys=False))
+    for name, node in cli(tmp_path, hub, bare, "status")[-1]["hosts"].items():
+        assert node["load"]["source"] == "metrics", (name, node)
+        assert set(node["load"]) == set(states[name]["load"]), node
 
     patch = cli(tmp_path, hub, inventory, "patch-config")[-1]
     assert all(h["counts"]["changed"] == 0 for h in patch["hosts"].values()), patch
@@ -926,6 +1008,33 @@ def test_rolling_update_keeps_a_node_serving(
     assert summary["min_nodes_up"] >= 1, summary
     windows = sorted(w for node in NODES if (w := probe.down_window(node)))
     assert all(a[1] < b[0] for a, b in itertools.pairwise(windows)), summary
+    # Issue 18: the clients saw nothing, Prometheus saw each restart: the
+    # node's target down, and the engine-down alert fired (its `for`: 10 s).
+    span = f"{int(run.wall_s) + 30}s"
+    down = prometheus.by_label(
+        prometheus.query(PROMETHEUS_PORT, f'min_over_time(up{{job="vllm"}}[{span}])')
+    )
+    fired = prometheus.by_label(
+        prometheus.query(
+            PROMETHEUS_PORT,
+            "max by (node) (max_over_time("
+            f'ALERTS{{alertname="VllmEngineDown",alertstate="firing"}}[{span}]))',
+        )
+    )
+    restarted = prometheus.wait_for(
+        PROMETHEUS_PORT, 'ALERTS{alertname="VllmEngineRestarted"}',
+        lambda series: set(prometheus.by_label(series)) == set(NODES),
+    )  # fmt: skip
+    MEASURED["rolling_update_alerts"] = {
+        "up_min": down, "engine_down_fired": fired,
+        "restarted": prometheus.by_label(restarted),
+    }  # fmt: skip
+    assert down == {node: 0.0 for node in NODES}, down
+    assert fired == {node: 1.0 for node in NODES}, fired
+    # Both back: the engine-down alert resolves once each target is up again.
+    prometheus.wait_for(
+        PROMETHEUS_PORT, 'ALERTS{alertname="VllmEngineDown"}', lambda series: series == []
+    )
 
 
 def test_rollback_yml_brings_release_a_back_byte_identical(

@@ -5,7 +5,9 @@
 
 SUITE=bookworm
 # python3-apt: Ansible's apt module needs it, as on any real Debian host.
-INCLUDE=systemd,systemd-sysv,dbus,python3,python3-apt,iproute2,procps,openssh-server,sudo,ca-certificates
+# prometheus: role monitoring installs it (apt); baked in so the test fleet's
+# monitoring host needs no download. Its own unit stays off (below).
+INCLUDE=systemd,systemd-sysv,dbus,python3,python3-apt,iproute2,procps,openssh-server,sudo,ca-certificates,prometheus
 # Image config for `podman import`: boot systemd, and stop it the way it
 # wants to be stopped.
 IMPORT_CHANGES=(
@@ -26,6 +28,9 @@ customize_rootfs() {
   # sshd stays off: nodes share the host network, so each test that wants
   # SSH picks its own port and enables it.
   chroot "$rootfs" systemctl disable ssh.service >/dev/null 2>&1 || true
+  # The package enables its own Prometheus (port 9090) on every node: only
+  # the monitoring host runs one, under role monitoring's unit.
+  chroot "$rootfs" systemctl disable prometheus.service >/dev/null 2>&1 || true
   # Units that need real hardware or a console only fail in a container.
   chroot "$rootfs" systemctl mask getty.target console-getty.service \
     systemd-udevd.service systemd-modules-load.service >/dev/null 2>&1
