@@ -228,9 +228,15 @@ def test_status_reads_the_release_pointer_and_reports_no_server(tmp_path: Path) 
     assert node["health"] == "down"
     assert node["endpoint"] == "http://localhost:9"
     assert node["vllm_version"] == "" and node["served_model"] == ""
+    # No server, no /metrics and no monitoring host: no load figures.
+    assert node["load"] == {}
 
     table = vllm_fleet("status", "-i", str(LOCAL), "-e", f"vllm_fleet_release_root={releases}")
     assert table.returncode == 0
     heading, row = table.stdout.splitlines()[:2]
-    assert heading.split() == ["HOST", "UNIT", "HEALTH", "MODEL", "RELEASE", "VLLM", "ENDPOINT"]
+    assert heading.split() == [
+        "HOST", "UNIT", "HEALTH", "MODEL", "RELEASE", "VLLM", "ENDPOINT",
+        "RUNNING", "WAITING", "KV", "CACHE", "TOKENS/S",
+    ]  # fmt: skip
     assert row.split()[0] == "localhost" and "20261129T100000Z" in row.split()
+    assert row.split()[-4:] == ["-", "-", "-", "-"]
