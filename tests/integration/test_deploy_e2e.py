@@ -488,12 +488,16 @@ def complete_via_router(key: str | None = API_KEY, timeout: float = 120) -> int:
         return err.code
 
 
-def finished_requests(node: str) -> float:
-    """Requests the node's vLLM finished (its /metrics counter, all reasons)."""
+def node_metrics(node: str) -> str:
+    """The node's vLLM /metrics, as Prometheus scrapes it."""
     port = NODES[node]["vllm_service_port"]
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    found = re.findall(r"(?m)^vllm:request_success_total\{[^}]*\} ([0-9.e+]+)$", text)
+        return resp.read().decode()
+
+
+def finished_requests(node: str) -> float:
+    """Requests the node's vLLM finished (its /metrics counter, all reasons)."""
+    found = re.findall(r"(?m)^vllm:request_success_total\{[^}]*\} ([0-9.e+]+)$", node_metrics(node))
     return sum(float(value) for value in found)
 
 
@@ -661,10 +665,7 @@ def test_the_fleet_endpoint_spreads_requests_and_passes_keys_through(deployed: R
 
 def live_metric_names(node: str) -> set[str]:
     """Every metric family the node's vLLM exports now (its /metrics)."""
-    port = NODES[node]["vllm_service_port"]
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    return set(re.findall(r"(?m)^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})? ", text))
+    return set(re.findall(r"(?m)^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})? ", node_metrics(node)))
 
 
 def test_prometheus_scrapes_every_node_and_counts_a_completion(deployed: Run) -> None:
