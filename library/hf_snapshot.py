@@ -17,9 +17,13 @@ description:
     through symlinked parents); one bad name fails the run naming it.
   - Before fetching a byte, compares the free space of O(local_dir) with the bytes still
     to fetch plus O(space_margin_bytes) and fails with both numbers when short.
-  - Fetches only missing or damaged files with the huggingface_hub library (HEAD + GET per
-    file, O(max_workers) in parallel) into C(state_dir/partial/), resuming a partial file
-    from its bytes with an HTTP Range request. Each file's digest (sha256 for LFS files, git
+  - Fetches only missing or damaged files (a HEAD through the huggingface_hub library for
+    each file's metadata and location, then one GET, O(max_workers) in parallel) into
+    C(state_dir/partial/), resuming a partial file from its bytes with an HTTP Range
+    request. The body is read by Python's http.client into one reused buffer (a fifth of
+    the library's CPU per byte), transient failures (connection lost, 429, 5xx) resume by
+    Range up to 5 times; behind a proxy (C(HTTPS_PROXY) etc.) the library's own GET is
+    used. Each file's digest (sha256 for LFS files, git
     blob sha1 otherwise) is computed from the bytes as they arrive, resumed bytes included,
     and must equal the listing's before the file is moved into place; a mismatch is dropped
     and fetched once more, then the run fails naming both digests.

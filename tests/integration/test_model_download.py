@@ -249,10 +249,7 @@ def test_killed_download_resumes_without_refetching_completed_shards(
             progress = json.loads(progress_file.read_text())
             # Kill once shards are done AND one is part-way (bytes on disk),
             # so the rerun has a partial shard to resume.
-            partial_bytes = any(
-                p.stat().st_size > 0 for p in (state_dir(tmp_path) / "partial").rglob("*.part")
-            )
-            if progress["files_done"] >= 30 and partial_bytes:
+            if progress["files_done"] >= 30 and partial_bytes(state_dir(tmp_path)) > 0:
                 break
         time.sleep(0.2)
     assert progress.get("files_done", 0) >= 30, progress
@@ -487,6 +484,104 @@ def test_storage_too_small_fails_before_downloading(
         subprocess.run(["umount", str(storage)], check=True)
 
 
+def small_options(tmp_path: Path, hub: HubServer) -> hd.Options:
+    return hd.Options(
+        repo_id=SMALL_REPO,
+        revision="main",
+        local_dir=str(model_dir(tmp_path)),
+        state_dir=str(state_dir(tmp_path)),
+        endpoint=hub.endpoint,
+        space_margin_bytes=0,
+        chunk_bytes=64 * 1024,
+    )
+
+
+SMALL_SHARD = "model-00001-of-00006.safetensors"
+
+
+@pytest.mark.parametrize(
+    ("case", "faults", "statuses"),
+    [
+        # The connection drops mid-body: the next GET asks for the rest by Range.
+        ("dropped", [{"kind": "close_after", "bytes": 300_000, "times": 1}], [200, 206]),
+        ("503 once", [{"kind": "status", "status": 503, "times": 1}], [503, 200]),
+        # Dropped, then the server ignores the Range: the file starts over from byte 0.
+        (
+            "range ignored",
+            [
+                {"kind": "close_after", "bytes": 300_000, "times": 1},
+                {"kind": "ignore_range", "times": 1},
+            ],
+            [200, 200],
+        ),
+    ],
+)
+def test_the_stream_resumes_after_transient_failures(
+    tmp_path: Path,
+    fresh_hub: HubServer,
+    repo: tuple[Path, str],
+    monkeypatch: pytest.MonkeyPatch,
+    case: str,
+    faults: list[dict[str, Any]],
+    statuses: list[int],
+) -> None:
+    monkeypatch.setattr(hd, "STREAM_BACKOFF_S", 0.01)
+    for fault in faults:
+        fresh_hub.add_fault(path=SMALL_SHARD, **fault)
+    result = hd.download(small_options(tmp_path, fresh_hub))
+    assert result["complete"] and SMALL_SHARD in result["fetched"], case
+    gets = fresh_hub.requests("GET", SMALL_SHARD)
+    assert [r.status for r in gets] == statuses, case
+    assert gets[0].range is None and gets[1].range == (
+        "bytes=300000-" if case != "503 once" else None
+    )
+    sha = json.loads((repo[0] / SMALL_REPO / "refs.json").read_text())["main"]
+    assert_identical(tmp_path, repo, repo[0] / SMALL_REPO / "commits" / sha)
+
+
+@pytest.mark.parametrize(
+    ("fault", "expected"),
+    [
+        (
+            {"kind": "short", "bytes": 10},
+            SMALL_SHARD + ": the hub sends {short} bytes from offset 0, the listing says the "
+            "file has {size}",
+        ),
+        ({"kind": "status", "status": 500}, f"{SMALL_SHARD}: HTTP 500 "),
+        ({"kind": "status", "status": 403}, f"{SMALL_SHARD}: the hub answered HTTP 403 "),
+    ],
+)
+def test_the_stream_fails_naming_the_file_and_lands_nothing(
+    tmp_path: Path,
+    fresh_hub: HubServer,
+    repo: tuple[Path, str],
+    monkeypatch: pytest.MonkeyPatch,
+    fault: dict[str, Any],
+    expected: str,
+) -> None:
+    monkeypatch.setattr(hd, "STREAM_BACKOFF_S", 0.01)
+    fresh_hub.add_fault(path=SMALL_SHARD, **fault)
+    with pytest.raises(hd.DownloadError) as err:
+        hd.download(small_options(tmp_path, fresh_hub))
+    sha = json.loads((repo[0] / SMALL_REPO / "refs.json").read_text())["main"]
+    size = (repo[0] / SMALL_REPO / "commits" / sha / SMALL_SHARD).stat().st_size
+    expected = expected.format(size=size, short=size - fault.get("bytes", 0))
+    assert expected in str(err.value), str(err.value)
+    assert not (model_dir(tmp_path) / SMALL_SHARD).exists()
+    gets = fresh_hub.count("GET", SMALL_SHARD)
+    # Transient statuses are tried STREAM_ATTEMPTS times, a refusal or a wrong length once.
+    assert gets == (hd.STREAM_ATTEMPTS if fault.get("status") == 500 else 1)
+
+
+def partial_bytes(state: Path) -> int:
+    """Bytes in the partial files now (a finished file's .part is renamed away meanwhile)."""
+    total = 0
+    for part in (state / "partial").rglob("*.part"):
+        with contextlib.suppress(FileNotFoundError):
+            total += part.stat().st_size
+    return total
+
+
 def test_disk_full_mid_transfer_keeps_partials_and_resumes_on_a_bigger_disk(
     tmp_path: Path, fresh_hub: HubServer, repo: tuple[Path, str]
 ) -> None:
@@ -498,15 +593,7 @@ def test_disk_full_mid_transfer_keeps_partials_and_resumes_on_a_bigger_disk(
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
     try:
-        opts = hd.Options(
-            repo_id=SMALL_REPO,
-            revision="main",
-            local_dir=str(model_dir(tmp_path)),
-            state_dir=str(state_dir(tmp_path)),
-            endpoint=fresh_hub.endpoint,
-            space_margin_bytes=0,
-            chunk_bytes=64 * 1024,
-        )
+        opts = small_options(tmp_path, fresh_hub)
         # 6 shards of 1 MB at 1 MB/s each: the disk fills (another writer) mid-transfer.
         fresh_hub.add_fault(kind="throttle", path="model-*", rate=1 << 20)
         filler = storage / "filler"
@@ -514,8 +601,7 @@ def test_disk_full_mid_transfer_keeps_partials_and_resumes_on_a_bigger_disk(
         def fill_when_started() -> None:
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
-                parts = list((state_dir(tmp_path) / "partial").rglob("*.part"))
-                if sum(p.stat().st_size for p in parts) > 1 << 20:
+                if partial_bytes(state_dir(tmp_path)) > 1 << 20:
                     break
                 time.sleep(0.05)
             with filler.open("wb") as fh, contextlib.suppress(OSError):

@@ -59,6 +59,7 @@ class Fault:
       ``close_after`` send full headers, then ``bytes`` body bytes, then drop the connection.
       ``short``       declare and send ``bytes`` fewer bytes than the file has (truncated body).
       ``throttle``    send the body at ``rate`` bytes per second.
+      ``ignore_range`` answer a ``Range`` request with 200 and the whole file.
       ``corrupt``     send the file with the byte at offset ``bytes`` flipped: same size,
                       same headers (the listing's true digest), wrong content.
     ``times``: how many requests it applies to (-1: all). ``method``: GET, HEAD or ``*``.
@@ -209,6 +210,9 @@ class HubError(Exception):
 
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    # Headers and body go out in separate writes: with Nagle on, a keep-alive client's
+    # delayed ACK stalls every small answer by 40 ms (a real hub's front end does not).
+    disable_nagle_algorithm = True
     server: HubHTTPServer
 
     def log_message(self, format: str, *args: Any) -> None:
@@ -333,6 +337,8 @@ class Handler(BaseHTTPRequestHandler):
         start, end = 0, meta.size - 1
         status = 200
         rng = self.headers.get("Range") if method == "GET" else None
+        if fault is not None and fault.kind == "ignore_range":
+            rng = None  # a server (or proxy) that answers 200 with the whole file
         if rng:
             match = re.fullmatch(r"bytes=(\d+)-(\d*)", rng.strip())
             if not match or int(match.group(1)) >= meta.size:

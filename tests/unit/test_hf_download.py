@@ -92,6 +92,21 @@ def test_a_symlinked_parent_pointing_outside_is_refused(tmp_path: Path) -> None:
         hd.check_names(str(tmp_path / "model"), ["sub/escape"], "the listing")
 
 
+def test_a_symlinked_file_or_nested_parent_pointing_outside_is_refused(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    (model / "a" / "b").mkdir(parents=True)
+    (tmp_path / "outside").mkdir()
+    (model / "a" / "link.json").symlink_to(tmp_path / "outside" / "x.json")
+    (model / "a" / "b" / "up").symlink_to(tmp_path / "outside")
+    (model / "a" / "b" / "self").symlink_to(model / "a")  # stays inside: fine
+    # Parents are resolved once per directory: a safe sibling first must not hide a bad one.
+    hd.check_names(str(model), ["a/b/x", "a/b/self/y", "a/z"], "the listing")
+    with pytest.raises(hd.DownloadError, match=r"'a/link.json'.*outside"):
+        hd.check_names(str(model), ["a/z", "a/link.json"], "the listing")
+    with pytest.raises(hd.DownloadError, match=r"'a/b/up/v'.*outside"):
+        hd.check_names(str(model), ["a/b/x", "a/b/up/v"], "the listing")
+
+
 def test_unrecorded_present_files_are_hashed_never_trusted_by_size(checkpoint) -> None:
     o, entries = checkpoint
     os.unlink(Path(o.local_dir) / entries[1].path)
