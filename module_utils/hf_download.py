@@ -810,8 +810,13 @@ def direct_http(url: str) -> bool:
 
 
 def shown_url(url: str) -> str:
-    """The URL without its query string (signed CDN URLs carry credentials there)."""
-    return url.split("?", 1)[0]
+    """The URL without query or user info (signed CDN URLs carry credentials there)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    port = f":{parts.port}" if parts.port else ""
+    return f"{parts.scheme}://{host}{port}{parts.path}"
 
 
 def open_stream(url: str, headers: dict[str, str], timeout: float) -> tuple[Any, Any]:

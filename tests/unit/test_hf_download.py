@@ -384,3 +384,21 @@ def test_a_job_gone_without_a_result_has_failed_naming_its_pid(tmp_path: Path) -
     assert f"pid {proc.pid}" in result["msg"]
     job_file.write_text(json.dumps({"started": 1, "finished": 0, "pid": os.getpid()}))
     assert hd.job_result(str(job_file)) is None  # alive: still running
+
+
+def test_urls_in_messages_carry_no_credentials() -> None:
+    url = "https://user:secret@cdn.example:8443/repo/file.safetensors?X-Amz-Signature=abc&t=1"
+    assert hd.shown_url(url) == "https://cdn.example:8443/repo/file.safetensors"
+    assert hd.shown_url("http://127.0.0.1/a/b") == "http://127.0.0.1/a/b"
+
+
+def test_a_proxy_for_the_scheme_keeps_the_library_get(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("http_proxy", "https_proxy", "all_proxy", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.upper(), raising=False)
+    assert hd.direct_http("https://cdn.example/f") and hd.direct_http("http://127.0.0.1:9/f")
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.example:3128")
+    assert not hd.direct_http("https://cdn.example/f")
+    assert hd.direct_http("http://127.0.0.1:9/f")  # no proxy for plain http
+    monkeypatch.setenv("NO_PROXY", "cdn.example")
+    assert hd.direct_http("https://cdn.example/f")
