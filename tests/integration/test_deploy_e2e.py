@@ -816,13 +816,18 @@ def test_cli_deploy_status_and_patch_config_on_the_fleet(
         assert load["source"] == "prometheus", load
         assert set(load) == {"running", "waiting", "kv_cache_usage", "throughput", "source"}
         assert 0.0 <= load["kv_cache_usage"] <= 1.0 and load["throughput"] >= 0.0, load
-    # Without a monitoring host: the same figures from each node's /metrics.
-    bare = tmp_path / "no-monitoring"
-    shutil.copytree(inventory, bare)
+    # A monitoring host whose Prometheus does not answer (nothing listens on its
+    # port): the same figures from each node's /metrics, as without one.
+    down = tmp_path / "prometheus-down"
+    shutil.copytree(inventory, down)
     hosts = yaml.safe_load((inventory / "hosts.yml").read_text())
-    del hosts["monitoring"]
-    (bare / "hosts.yml").write_text(yaml.safe_dump(hosts, sort_keys=False))
-    for name, node in cli(tmp_path, hub, bare, "status")[-1]["hosts"].items():
+    for monitor in hosts["monitoring"]["hosts"]:
+        hosts["monitoring"]["hosts"][monitor] = {
+            **(hosts["monitoring"]["hosts"][monitor] or {}),
+            "vllm_fleet_monitoring_port": 9,
+        }
+    (down / "hosts.yml").write_text(yaml.safe_dump(hosts, sort_keys=False))
+    for name, node in cli(tmp_path, hub, down, "status")[-1]["hosts"].items():
         assert node["load"]["source"] == "metrics", (name, node)
         assert set(node["load"]) == set(states[name]["load"]), node
 
