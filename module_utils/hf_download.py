@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import hashlib
 import importlib.util
 import json
@@ -766,7 +767,7 @@ def transfer(opts: Options, sha: str, entry: Entry, progress: Progress) -> Fetch
         writer.prefill(resume)
         if resume < entry.size and direct_http(meta.location):
             stream_get(meta.location, headers, writer, entry, progress, opts.chunk_bytes)
-        elif resume < entry.size:
+        elif resume < entry.size:  # behind a proxy: the library's GET
             http_get(
                 meta.location,
                 writer,  # type: ignore[arg-type]
@@ -819,10 +820,18 @@ def shown_url(url: str) -> str:
     return f"{parts.scheme}://{host}{port}{parts.path}"
 
 
+@functools.lru_cache(maxsize=4)
+def tls_context(cafile: str | None) -> Any:
+    """One TLS context per CA bundle for every file and worker (loading the bundle costs
+    about 50 ms of CPU; an SSLContext is safe to share between threads)."""
+    import ssl
+
+    return ssl.create_default_context(cafile=cafile)
+
+
 def open_stream(url: str, headers: dict[str, str], timeout: float) -> tuple[Any, Any]:
     """GET ``url``, following redirects (no Authorization to another host)."""
     import http.client
-    import ssl
     from urllib.parse import urljoin, urlsplit
 
     headers = dict(headers)
@@ -830,9 +839,11 @@ def open_stream(url: str, headers: dict[str, str], timeout: float) -> tuple[Any,
         parts = urlsplit(url)
         if parts.scheme == "https":
             cafile = os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("SSL_CERT_FILE")
-            context = ssl.create_default_context(cafile=cafile or None)
             conn: Any = http.client.HTTPSConnection(
-                parts.hostname or "", parts.port, timeout=timeout, context=context
+                parts.hostname or "",
+                parts.port,
+                timeout=timeout,
+                context=tls_context(cafile or None),
             )
         else:
             conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=timeout)

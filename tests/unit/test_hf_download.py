@@ -402,3 +402,9 @@ def test_a_proxy_for_the_scheme_keeps_the_library_get(monkeypatch: pytest.Monkey
     assert hd.direct_http("http://127.0.0.1:9/f")  # no proxy for plain http
     monkeypatch.setenv("NO_PROXY", "cdn.example")
     assert hd.direct_http("https://cdn.example/f")
+
+
+def test_one_tls_context_serves_every_file_per_ca_bundle() -> None:
+    first = hd.tls_context(None)
+    assert hd.tls_context(None) is first  # built once, not per file (CA bundle load)
+    assert first.verify_mode.name == "CERT_REQUIRED" and first.check_hostname
