@@ -77,6 +77,8 @@ LABEL = "vllm-fleet.fleet"
 # Each node records the host side of its shared storage, for `down`.
 STORAGE_LABEL = "vllm-fleet.storage"
 BOOT_TIMEOUT_S = 90.0
+# The node image's interpreter (Debian bookworm's python3).
+NODE_PYTHON = "/usr/bin/python3"
 # Per-node ports: nodes share the host network.
 BASE_SERVICE_PORT = 8000
 BASE_SSH_PORT = 2200
@@ -190,6 +192,9 @@ def inventory(
                 # not several podman ones on the CPUs the nodes share.
                 "ansible_connection": "vllm_fleet_container",
                 "ansible_host_key_checking": False,
+                # The node image's Python: no interpreter discovery, which costs
+                # each node two more round trips on every run.
+                "ansible_python_interpreter": NODE_PYTHON,
             },
         }
     }
@@ -221,6 +226,7 @@ def ssh_inventory(nodes: int = DEFAULT_NODES, prefix: str = DEFAULT_PREFIX, *, k
         "ansible_ssh_private_key_file": str(key),
         # Fresh host keys on every test run: nothing to verify them against.
         "ansible_host_key_checking": False,
+        "ansible_python_interpreter": NODE_PYTHON,
     }
     return inv
 
