@@ -143,3 +143,44 @@ def test_a_mistyped_fleet_value_stops_the_validation_play_naming_it(tmp_path: Pa
     assert {f["host"] for f in failed} == {"node-a", "node-b"}
     msg = failed[0]["res"]["msg"]
     assert "vllm_fleet_tensor_parallel_size" in msg and "int" in msg, msg
+
+
+def failed_validation(runner: ansible_runner.Runner) -> dict[str, Any]:
+    """The one failed task of a run that the validation play stopped, before any unit."""
+    assert runner.rc != 0
+    events = list(runner.events)
+    (failed,) = [e["event_data"] for e in events if e["event"] == "runner_on_failed"]
+    assert failed["play"] == "Validate the deployment variables"
+    assert not [e for e in events if e["event_data"].get("task") == UNIT_TASK]
+    return failed
+
+
+def test_a_broken_replica_topology_is_refused_with_every_problem(tmp_path: Path) -> None:
+    replica = {"vllm_fleet_replica": "r1", "vllm_fleet_replica_rank": 0}
+    inventory = write_inventory(
+        tmp_path / "inventory", {}, {**replica, "vllm_fleet_vllm_version": "0.17.0"}
+    )
+    (inventory / "host_vars/node-a.yml").write_text(yaml.safe_dump(replica))
+    failed = failed_validation(run(tmp_path, inventory))
+    assert failed["task"] == "Check the replica topology"
+    assert failed["res"]["msg"] == (
+        "Inconsistent replica topology (vllm_fleet_replica, vllm_fleet_replica_rank), nothing "
+        "was changed: (1) replica r1: rank 0 is set on node-a, node-b (one node per rank); "
+        "(2) replica r1: its 2 nodes need ranks 0..1, one each (missing 1); (3) replica r1: its "
+        "nodes differ in vllm_fleet_vllm_version (node-a: 0.16.0, node-b: 0.17.0)."
+    )
+
+
+def test_a_replica_across_nodes_is_refused_until_it_can_be_launched(tmp_path: Path) -> None:
+    # Tensor parallel 2 over 2 nodes: a topology that fits.
+    inventory = write_inventory(
+        tmp_path / "inventory",
+        {"vllm_fleet_tensor_parallel_size": 2},
+        {"vllm_fleet_replica": "r1", "vllm_fleet_replica_rank": 1},
+    )
+    (inventory / "host_vars/node-a.yml").write_text(
+        yaml.safe_dump({"vllm_fleet_replica": "r1", "vllm_fleet_replica_rank": 0})
+    )
+    failed = failed_validation(run(tmp_path, inventory))
+    assert failed["task"] == "Refuse replicas that span several nodes"
+    assert "r1 spans node-a, node-b" in failed["res"]["msg"]

@@ -1,0 +1,154 @@
+# Copyright: vllm-fleet contributors
+# Apache-2.0
+"""Filters: the fleet's replicas from the inventory, and every problem with them.
+
+A replica is one node (the default) or the nodes that share a
+``vllm_fleet_replica`` name, ranked by ``vllm_fleet_replica_rank`` (0 leads).
+The validation play (playbooks/validate.yml) reports every problem at once.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+# What every node of one replica must agree on (each node's own values, after
+# the inventory's group_vars and host_vars).
+SHARED = (
+    "vllm_fleet_model",
+    "vllm_fleet_vllm_package",
+    "vllm_fleet_vllm_version",
+    "vllm_fleet_tensor_parallel_size",
+    "vllm_fleet_pipeline_parallel_size",
+)
+
+
+def _rank(value: Any) -> int | None:
+    """A rank as an int, or None when it is not a non-negative integer."""
+    if isinstance(value, bool):
+        return None
+    try:
+        rank = int(value)
+    except (TypeError, ValueError):
+        return None
+    return rank if rank >= 0 and str(value).strip() == str(rank) else None
+
+
+def replicas(members: Sequence[Mapping[str, Any]]) -> dict[str, list[str]]:
+    """Replica name -> its nodes by rank; a node without a replica is its own."""
+    groups: dict[str, list[tuple[int, str]]] = {}
+    for member in members:
+        name = member.get("replica") or member["host"]
+        groups.setdefault(name, []).append((_rank(member.get("rank")) or 0, member["host"]))
+    return {name: [host for _, host in sorted(nodes)] for name, nodes in groups.items()}
+
+
+def _membership_problems(members: Sequence[Mapping[str, Any]]) -> list[str]:
+    problems = []
+    for member in members:
+        host, replica, rank = member["host"], member.get("replica") or "", member.get("rank")
+        if not replica:
+            if rank is not None:
+                problems.append(
+                    f"{host} sets vllm_fleet_replica_rank {rank!r} but no vllm_fleet_replica"
+                )
+            continue
+        if not isinstance(replica, str) or not NAME_RE.match(replica):
+            problems.append(
+                f"{host}: vllm_fleet_replica {replica!r} is not a name "
+                "(letters, digits, '.', '_', '-')"
+            )
+        if rank is None:
+            problems.append(f"{host} is in replica {replica} but sets no vllm_fleet_replica_rank")
+        elif _rank(rank) is None:
+            problems.append(f"{host}: vllm_fleet_replica_rank {rank!r} is not a whole number >= 0")
+    return problems
+
+
+def _rank_problems(name: str, members: Sequence[Mapping[str, Any]]) -> list[str]:
+    by_rank: dict[int, list[str]] = {}
+    for member in members:
+        rank = _rank(member.get("rank"))
+        if rank is not None:
+            by_rank.setdefault(rank, []).append(member["host"])
+    problems = [
+        f"replica {name}: rank {rank} is set on {', '.join(hosts)} (one node per rank)"
+        for rank, hosts in sorted(by_rank.items())
+        if len(hosts) > 1
+    ]
+    if sum(map(len, by_rank.values())) < len(members):
+        return problems  # a node without a valid rank is reported on its own
+    expected = set(range(len(members)))
+    parts = []
+    if missing := sorted(expected - set(by_rank)):
+        parts.append(f"missing {', '.join(map(str, missing))}")
+    if beyond := sorted(set(by_rank) - expected):
+        parts.append(f"out of range {', '.join(map(str, beyond))}")
+    if parts:
+        problems.append(
+            f"replica {name}: its {len(members)} nodes need ranks 0..{len(members) - 1}, "
+            f"one each ({'; '.join(parts)})"
+        )
+    return problems
+
+
+def _agreement_problems(name: str, members: Sequence[Mapping[str, Any]]) -> list[str]:
+    problems = []
+    for var in SHARED:
+        values = {str(member.get(var)) for member in members}
+        if len(values) > 1:
+            found = ", ".join(f"{m['host']}: {m.get(var)}" for m in members)
+            problems.append(f"replica {name}: its nodes differ in {var} ({found})")
+    if problems:
+        return problems
+    first = members[0]
+    world = _rank(first.get("vllm_fleet_tensor_parallel_size"))
+    pipeline = _rank(first.get("vllm_fleet_pipeline_parallel_size"))
+    if world and pipeline and (world * pipeline) % len(members):
+        problems.append(
+            f"replica {name}: tensor x pipeline parallel = {world} x {pipeline} = "
+            f"{world * pipeline} does not split evenly over its {len(members)} nodes "
+            "(each node runs the same number of ranks)"
+        )
+    return problems
+
+
+def replica_problems(
+    members: Sequence[Mapping[str, Any]], inventory: Mapping[str, Any] | None = None
+) -> list[str]:
+    """Every problem with the replicas of ``members`` (the play's nodes).
+
+    ``members``: per node of the play, ``host``, ``replica``, ``rank`` and the
+    SHARED values. ``inventory``: every fleet node -> its ``vllm_fleet_replica``,
+    to find a replica that the run's limit (-l) cuts in two.
+    """
+    problems = _membership_problems(members)
+    grouped: dict[str, list[Mapping[str, Any]]] = {}
+    for member in members:
+        if member.get("replica"):
+            grouped.setdefault(str(member["replica"]), []).append(member)
+    in_run = {member["host"] for member in members}
+    for name, nodes in sorted(grouped.items()):
+        left_out = sorted(
+            host for host, replica in (inventory or {}).items()
+            if replica == name and host not in in_run
+        )  # fmt: skip
+        if left_out:
+            problems.append(
+                f"replica {name}: {', '.join(left_out)} not in this run (-l); "
+                "a replica's nodes change together"
+            )
+        problems += _rank_problems(name, nodes) + _agreement_problems(name, nodes)
+    return problems
+
+
+class FilterModule:
+    """vllm_fleet_replicas, vllm_fleet_replica_problems."""
+
+    def filters(self) -> dict[str, Any]:
+        return {
+            "vllm_fleet_replicas": replicas,
+            "vllm_fleet_replica_problems": replica_problems,
+        }

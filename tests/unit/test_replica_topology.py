@@ -1,0 +1,106 @@
+"""The replica topology filters (filter_plugins/vllm_fleet_topology.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+_SPEC = importlib.util.spec_from_file_location(
+    "vllm_fleet_topology", ROOT / "filter_plugins" / "vllm_fleet_topology.py"
+)
+assert _SPEC and _SPEC.loader
+topology = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(topology)
+
+
+def member(host: str, replica: str = "", rank: Any = None, **values: Any) -> dict[str, Any]:
+    shared = {
+        "vllm_fleet_model": "kimi",
+        "vllm_fleet_vllm_package": "vllm",
+        "vllm_fleet_vllm_version": "0.16.0",
+        "vllm_fleet_tensor_parallel_size": 8,
+        "vllm_fleet_pipeline_parallel_size": 2,
+    }
+    return {"host": host, "replica": replica, "rank": rank, **shared, **values}
+
+
+def test_single_node_replicas_and_a_consistent_pair_have_no_problem() -> None:
+    members = [member("a"), member("b", "r1", 1), member("c", "r1", 0)]
+    inventory = {"a": "", "b": "r1", "c": "r1"}
+    assert topology.replica_problems(members, inventory) == []
+    assert topology.replicas(members) == {"a": ["a"], "r1": ["c", "b"]}
+
+
+def test_every_problem_is_listed_at_once() -> None:
+    members = [
+        member("a", rank=0),
+        member("b", "r1", 0),
+        member("c", "r1", 0),
+        member("d", "r1", "x"),
+        member("e", "r2"),
+        member("f", "bad name", 0),
+        member("g", "r3", 0, vllm_fleet_vllm_version="0.17.0"),
+        member("h", "r3", 1),
+    ]
+    inventory = {m["host"]: m["replica"] for m in members} | {"i": "r3"}
+    assert topology.replica_problems(members, inventory) == [
+        "a sets vllm_fleet_replica_rank 0 but no vllm_fleet_replica",
+        "d: vllm_fleet_replica_rank 'x' is not a whole number >= 0",
+        "e is in replica r2 but sets no vllm_fleet_replica_rank",
+        "f: vllm_fleet_replica 'bad name' is not a name (letters, digits, '.', '_', '-')",
+        "replica r1: rank 0 is set on b, c (one node per rank)",
+        "replica r1: tensor x pipeline parallel = 8 x 2 = 16 does not split evenly over its "
+        "3 nodes (each node runs the same number of ranks)",
+        "replica r3: i not in this run (-l); a replica's nodes change together",
+        "replica r3: its nodes differ in vllm_fleet_vllm_version (g: 0.17.0, h: 0.16.0)",
+    ]
+
+
+def test_ranks_must_cover_zero_to_the_node_count() -> None:
+    members = [member("a", "r", 0), member("b", "r", 2)]
+    assert topology.replica_problems(members) == [
+        "replica r: its 2 nodes need ranks 0..1, one each (missing 1; out of range 2)"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("tensor", "pipeline", "nodes", "fits"),
+    [(8, 2, 2, True), (2, 1, 2, True), (3, 1, 2, False), (1, 3, 2, False), (4, 1, 3, False)],
+)
+def test_parallel_sizes_must_split_evenly_over_the_nodes(
+    tensor: int, pipeline: int, nodes: int, fits: bool
+) -> None:
+    members = [
+        member(f"n{rank}", "r", rank, vllm_fleet_tensor_parallel_size=tensor,
+               vllm_fleet_pipeline_parallel_size=pipeline)
+        for rank in range(nodes)
+    ]  # fmt: skip
+    problems = topology.replica_problems(members)
+    if fits:
+        assert problems == []
+    else:
+        assert problems == [
+            f"replica r: tensor x pipeline parallel = {tensor} x {pipeline} = "
+            f"{tensor * pipeline} does not split evenly over its {nodes} nodes "
+            "(each node runs the same number of ranks)"
+        ]
+
+
+@pytest.mark.parametrize(
+    ("rank", "valid"),
+    [
+        (0, True),
+        ("1", True),
+        (-1, False),
+        (True, False),
+        (1.5, False),
+        ("01", False),
+        (None, False),
+    ],
+)
+def test_a_rank_is_a_whole_number_from_zero(rank: Any, valid: bool) -> None:
+    assert (topology._rank(rank) is not None) is valid
