@@ -25,8 +25,8 @@ SHARED = (
 )
 
 
-def _rank(value: Any) -> int | None:
-    """A rank as an int, or None when it is not a non-negative integer."""
+def _whole(value: Any) -> int | None:
+    """A rank or parallel size as an int, or None when it is not a whole number >= 0."""
     if isinstance(value, bool):
         return None
     try:
@@ -36,13 +36,20 @@ def _rank(value: Any) -> int | None:
     return rank if rank >= 0 and str(value).strip() == str(rank) else None
 
 
+def _by_replica(members: Sequence[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:
+    """Replica name -> its members, in the play's order; a node without a replica is its own."""
+    groups: dict[str, list[Mapping[str, Any]]] = {}
+    for member in members:
+        groups.setdefault(str(member.get("replica") or member["host"]), []).append(member)
+    return groups
+
+
 def replicas(members: Sequence[Mapping[str, Any]]) -> dict[str, list[str]]:
     """Replica name -> its nodes by rank; a node without a replica is its own."""
-    groups: dict[str, list[tuple[int, str]]] = {}
-    for member in members:
-        name = member.get("replica") or member["host"]
-        groups.setdefault(name, []).append((_rank(member.get("rank")) or 0, member["host"]))
-    return {name: [host for _, host in sorted(nodes)] for name, nodes in groups.items()}
+    return {
+        name: [m["host"] for m in sorted(nodes, key=lambda m: _whole(m.get("rank")) or 0)]
+        for name, nodes in _by_replica(members).items()
+    }
 
 
 def _membership_problems(members: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -62,7 +69,7 @@ def _membership_problems(members: Sequence[Mapping[str, Any]]) -> list[str]:
             )
         if rank is None:
             problems.append(f"{host} is in replica {replica} but sets no vllm_fleet_replica_rank")
-        elif _rank(rank) is None:
+        elif _whole(rank) is None:
             problems.append(f"{host}: vllm_fleet_replica_rank {rank!r} is not a whole number >= 0")
     return problems
 
@@ -70,7 +77,7 @@ def _membership_problems(members: Sequence[Mapping[str, Any]]) -> list[str]:
 def _rank_problems(name: str, members: Sequence[Mapping[str, Any]]) -> list[str]:
     by_rank: dict[int, list[str]] = {}
     for member in members:
-        rank = _rank(member.get("rank"))
+        rank = _whole(member.get("rank"))
         if rank is not None:
             by_rank.setdefault(rank, []).append(member["host"])
     problems = [
@@ -104,8 +111,8 @@ def _agreement_problems(name: str, members: Sequence[Mapping[str, Any]]) -> list
     if problems:
         return problems
     first = members[0]
-    world = _rank(first.get("vllm_fleet_tensor_parallel_size"))
-    pipeline = _rank(first.get("vllm_fleet_pipeline_parallel_size"))
+    world = _whole(first.get("vllm_fleet_tensor_parallel_size"))
+    pipeline = _whole(first.get("vllm_fleet_pipeline_parallel_size"))
     if world and pipeline and (world * pipeline) % len(members):
         problems.append(
             f"replica {name}: tensor x pipeline parallel = {world} x {pipeline} = "
@@ -125,12 +132,9 @@ def replica_problems(
     to find a replica that the run's limit (-l) cuts in two.
     """
     problems = _membership_problems(members)
-    grouped: dict[str, list[Mapping[str, Any]]] = {}
-    for member in members:
-        if member.get("replica"):
-            grouped.setdefault(str(member["replica"]), []).append(member)
+    named = _by_replica([member for member in members if member.get("replica")])
     in_run = {member["host"] for member in members}
-    for name, nodes in sorted(grouped.items()):
+    for name, nodes in sorted(named.items()):
         left_out = sorted(
             host for host, replica in (inventory or {}).items()
             if replica == name and host not in in_run

@@ -103,4 +103,4 @@ def test_parallel_sizes_must_split_evenly_over_the_nodes(
     ],
 )
 def test_a_rank_is_a_whole_number_from_zero(rank: Any, valid: bool) -> None:
-    assert (topology._rank(rank) is not None) is valid
+    assert (topology._whole(rank) is not None) is valid
