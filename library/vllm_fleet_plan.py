@@ -73,6 +73,18 @@ options:
     type: str
     choices: ['', none, fp8, int8, nvfp4]
     default: ''
+  checkpoint_repo:
+    description:
+      - The hub repo of the checkpoint, as its download manifest records it. With
+        I(checkpoint_state_dir), this node's view of a completed download is proved against
+        the manifest (one stat per file, as M(hf_snapshot) mode V(verify) does), so that the
+        download step need not read the node again when nothing was fetched since.
+    type: str
+    default: ''
+  checkpoint_state_dir:
+    description: The download's state directory (its C(manifest.json)); empty skips the proof.
+    type: path
+    default: ''
   storage_root:
     description: The shared storage root every node mounts.
     type: path
@@ -203,6 +215,13 @@ plan:
     nccl_profile: {description: The matrix NCCL profile used, type: str}
     checkpoint_kv_cache_quant: {description: What the checkpoint declares, type: str}
     checkpoint_source: {description: checkpoint, profile or none, type: str}
+    checkpoint_proof:
+      description:
+        - This node's view of the checkpoint against the download's manifest. C(sha) is the
+          commit whose every file this node sees with the recorded stamp; empty when not
+          proved, C(reason) says why (no manifest yet, a file missing or changed).
+      type: dict
+      sample: {sha: 0f1e..., files: 12, reason: ''}
 problems:
   description: Every reason the deployment cannot go ahead on this host (empty when it can).
   returned: always
@@ -225,6 +244,7 @@ import socket
 import tempfile
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.hf_download import DownloadError, Options, verify_local
 from ansible.module_utils.hf_quant import read_own_bytes
 from ansible.module_utils.parsing.convert_bool import boolean
 from ansible.module_utils.vllm_fleet_compat import (
@@ -286,6 +306,22 @@ def checkpoint_complete(model_dir: str) -> bool:
     except (OSError, ValueError, AttributeError):
         return os.path.isfile(os.path.join(model_dir, "model.safetensors"))
     return bool(shards) and all(os.path.isfile(os.path.join(model_dir, s)) for s in shards)
+
+
+def checkpoint_proof(model_dir: str, repo: str, state_dir: str) -> dict:
+    """The commit whose every file this node sees as the download recorded it, or why not.
+
+    Not a problem when unproved: before the first download there is nothing to prove, and
+    the download step then checks the node itself.
+    """
+    if not (repo and state_dir):
+        return {"sha": "", "files": 0, "reason": "no download manifest given"}
+    opts = Options(repo_id=repo, revision="", local_dir=model_dir, state_dir=state_dir)
+    try:
+        seen = verify_local(opts)
+    except (DownloadError, OSError, ValueError, KeyError) as exc:
+        return {"sha": "", "files": 0, "reason": str(exc)}
+    return {"sha": seen["sha"], "files": seen["files_total"], "reason": ""}
 
 
 def storage_problems(root: str, must_be_mount: bool, checks: dict) -> list[str]:
@@ -555,6 +591,9 @@ def build_plan(module: AnsibleModule) -> dict:
         "nccl_profile": nccl["profile"],
         "checkpoint_kv_cache_quant": traits["kv_cache_quant"],
         "checkpoint_source": traits["source"],
+        "checkpoint_proof": checkpoint_proof(
+            p["model_dir"], p["checkpoint_repo"], p["checkpoint_state_dir"]
+        ),
     }
     return {
         "plan": plan,
@@ -576,6 +615,8 @@ def main() -> None:
             "health_timeout_s": {"type": "int", "default": 600},
             "checkpoint_bytes": {"type": "int", "required": True},
             "model_dir": {"type": "path", "required": True},
+            "checkpoint_repo": {"type": "str", "default": ""},
+            "checkpoint_state_dir": {"type": "path", "default": ""},
             "declared_attention": {"type": "str", "choices": ["", "mla", "mha"], "default": ""},
             "declared_kv_cache_quant": {
                 "type": "str",

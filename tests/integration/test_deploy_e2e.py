@@ -167,6 +167,23 @@ class Run:
             if e["event"] == "playbook_on_play_start" and e["event_data"].get("play") == play
         )
 
+    def task_hosts(self, task: str) -> set[str]:
+        """Hosts the named task ran on (ok or changed; not skipped)."""
+        return {
+            e["event_data"]["host"]
+            for e in self.events
+            if e["event"] == "runner_on_ok" and e["event_data"].get("task") == task
+        }
+
+    def fact_values(self, name: str) -> dict[str, Any]:
+        """The value each host's set_fact gave the named fact in this run."""
+        return {
+            e["event_data"]["host"]: e["event_data"]["res"]["ansible_facts"][name]
+            for e in self.events
+            if e["event"] == "runner_on_ok"
+            and name in e["event_data"].get("res", {}).get("ansible_facts", {})
+        }
+
     def tasks_per_host(self) -> dict[str, int]:
         """Tasks each host ran (runner_on_start events: skipped ones included)."""
         counts: dict[str, int] = {}
@@ -754,6 +771,13 @@ def test_rerun_changes_nothing_and_keeps_secrets_out_of_vvv(
     # Every node was compared; none took the serial rolling path.
     assert run.play_hosts(COMPARE_PLAY) == set(NODES)
     assert run.play_hosts(ROLLING_PLAY) == set()
+    # Each node's preflight plan proved its view of the checkpoint the downloader
+    # found complete: the download step reads no node again, and every node still
+    # records the commit it serves.
+    assert run.task_hosts("Check that this host sees the complete checkpoint") == set()
+    shas = run.fact_values("model_download_sha")
+    assert set(shas) == set(NODES) and len(set(shas.values())) == 1, shas
+    assert len(shas[FIRST]) == 40, shas
     MEASURED["rerun_tasks_per_node"] = run.tasks_per_host()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -11,6 +12,7 @@ from typing import Any
 
 import pytest
 import yaml
+from ansible.module_utils import hf_download as hd
 from ansible.module_utils.gpu import build_facts
 
 from tests.support.ansible_module import (  # noqa: F401 (patch_ansible_module: autouse fixture)
@@ -367,3 +369,39 @@ def test_nccl_profile_switches(
 
 def test_nccl_switch_garbage_is_refused(storage: Path) -> None:
     assert "maybe" in fail(args(storage, nccl_p2p_disable="maybe"))
+
+
+def test_checkpoint_proof_names_the_commit_this_node_sees_or_why_not(storage: Path) -> None:
+    """The plan proves this node's view of a completed download (model_download then
+    skips its own check of the node), and says why when it cannot."""
+    model = storage / "kimi"
+    state = storage / ".state"
+    model.mkdir()
+    state.mkdir()
+    opts = hd.Options("org/kimi", "main", str(model), str(state))
+    entries = []
+    for name, data in (("config.json", b"{}\n"), ("model.safetensors", b"w" * 512)):
+        (model / name).write_bytes(data)
+        entries.append(hd.Entry(name, len(data), "0" * 40, hashlib.sha256(data).hexdigest()))
+    given = {"checkpoint_repo": "org/kimi", "checkpoint_state_dir": str(state)}
+
+    assert run(args(storage, **given))["plan"]["checkpoint_proof"]["reason"].startswith(
+        "No complete download recorded"
+    )
+    plan = hd.Plan("c" * 40, entries, dict.fromkeys((e.path for e in entries), "ok"), {}, 0, 0)
+    hd.write_manifest(opts, plan, {e.path: e.reference()[1] for e in entries})
+    assert run(args(storage, **given))["plan"]["checkpoint_proof"] == {
+        "sha": "c" * 40,
+        "files": 2,
+        "reason": "",
+    }
+    # Without the manifest's location: not proved here (model_download checks the node).
+    assert run(args(storage))["plan"]["checkpoint_proof"]["sha"] == ""
+    # Another repo's manifest proves nothing.
+    other = run(args(storage, checkpoint_repo="org/other", checkpoint_state_dir=str(state)))
+    assert other["plan"]["checkpoint_proof"]["sha"] == ""
+    # A file this node sees changed: not proved, the file named.
+    os.utime(model / "config.json", ns=(1, 1))
+    proof = run(args(storage, **given))["plan"]["checkpoint_proof"]
+    assert proof["sha"] == ""
+    assert "config.json (changed since the download proved it)" in proof["reason"]
