@@ -45,6 +45,7 @@ from tests.support.ansible_module import (  # noqa: F401 (patch_ansible_module: 
     run_module,
 )
 from tests.support.hub_server import HubServer
+from tests.support.runner_events import task_hosts
 
 pytestmark = [pytest.mark.e2e, pytest.mark.hosts]
 
@@ -166,14 +167,6 @@ class Run:
             for e in self.events
             if e["event"] == "playbook_on_play_start" and e["event_data"].get("play") == play
         )
-
-    def task_hosts(self, task: str) -> set[str]:
-        """Hosts the named task ran on (ok or changed; not skipped)."""
-        return {
-            e["event_data"]["host"]
-            for e in self.events
-            if e["event"] == "runner_on_ok" and e["event_data"].get("task") == task
-        }
 
     def fact_values(self, name: str) -> dict[str, Any]:
         """The value each host's set_fact gave the named fact in this run."""
@@ -774,7 +767,7 @@ def test_rerun_changes_nothing_and_keeps_secrets_out_of_vvv(
     # Each node's preflight plan proved its view of the checkpoint the downloader
     # found complete: the download step reads no node again, and every node still
     # records the commit it serves.
-    assert run.task_hosts("Check that this host sees the complete checkpoint") == set()
+    assert task_hosts(run, "Check that this host sees the complete checkpoint") == []
     shas = run.fact_values("model_download_sha")
     assert set(shas) == set(NODES) and len(set(shas.values())) == 1, shas
     assert len(shas[FIRST]) == 40, shas

@@ -27,6 +27,7 @@ import ansible_runner
 import pytest
 
 from tests.support.hub_server import HubServer
+from tests.support.runner_events import task_hosts
 from tests.support.synthetic_repo import (
     KIMI_REPO,
     SHARDS,
@@ -127,14 +128,6 @@ def model_dir(tmp_path: Path) -> Path:
 
 def state_dir(tmp_path: Path) -> Path:
     return tmp_path / "shared" / ".vllm-fleet" / "kimi-k2.5-nvfp4"
-
-
-def task_hosts(runner: Any, task: str, event: str = "runner_on_ok") -> list[str]:
-    return [
-        ev["event_data"]["host"]
-        for ev in runner.events
-        if ev["event"] == event and ev["event_data"].get("task") == task
-    ]
 
 
 def failure_messages(runner: Any) -> list[str]:
