@@ -85,6 +85,31 @@ options:
     description: The download's state directory (its C(manifest.json)); empty skips the proof.
     type: path
     default: ''
+  replica_nodes:
+    description:
+      - How many nodes this node's replica spans (1, the default, is a replica of its own).
+        Above 1, the GPU count check asks each node for its share of tensor x pipeline
+        parallel, and the replica's network is planned (see RV(plan.replica)).
+    type: int
+    default: 1
+  replica_rank:
+    description: This node's rank in its replica (0 leads).
+    type: int
+    default: 0
+  replica_name:
+    description: The replica's name, for the messages.
+    type: str
+    default: ''
+  replica_leader:
+    description:
+      - The replica leader's address as every node of the replica reaches it (an IP address
+        or a name this node resolves); required when I(replica_nodes) > 1.
+    type: str
+    default: ''
+  replica_port:
+    description: The leader's rendezvous port (vLLM C(--master-port)); must be free on the leader.
+    type: int
+    default: 29501
   storage_root:
     description: The shared storage root every node mounts.
     type: path
@@ -215,6 +240,23 @@ plan:
     nccl_profile: {description: The matrix NCCL profile used, type: str}
     checkpoint_kv_cache_quant: {description: What the checkpoint declares, type: str}
     checkpoint_source: {description: checkpoint, profile or none, type: str}
+    replica:
+      description:
+        - For a replica of several nodes (empty otherwise) - its name, node count, this
+          node's rank, the leader's address and resolved IP, the rendezvous port, the address
+          and interface this node reaches the leader from, and the environment the engine
+          needs for that (C(VLLM_HOST_IP), C(NCCL_SOCKET_IFNAME), C(GLOO_SOCKET_IFNAME)).
+      type: dict
+      sample:
+        name: r1
+        nodes: 2
+        rank: 1
+        leader: 10.0.0.11
+        leader_ip: 10.0.0.11
+        port: 29501
+        host_ip: 10.0.0.12
+        ifname: eth0
+        env: {VLLM_HOST_IP: 10.0.0.12, NCCL_SOCKET_IFNAME: eth0, GLOO_SOCKET_IFNAME: eth0}
     checkpoint_proof:
       description:
         - This node's view of the checkpoint against the download's manifest. C(sha) is the
@@ -402,28 +444,99 @@ def port_owner(port: int) -> dict:
     return {}
 
 
-def port_problems(module: AnsibleModule, port: int, unit: str, checks: dict) -> list[str]:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+def port_problems(
+    module: AnsibleModule,
+    port: int,
+    unit: str,
+    checks: dict,
+    label: str = "service port",
+    address: str = "0.0.0.0",
+) -> list[str]:
+    key = label.replace(" ", "_")
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
         # SO_REUSEADDR: a port in TIME_WAIT is free; only a listener blocks the bind.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            sock.bind(("0.0.0.0", port))
-            checks["port"] = "free"
+            sock.bind((address, port))
+            checks[key] = "free"
             return []
         except OSError:
             pass
     owner = port_owner(port)
-    checks["port_owner"] = owner
+    checks[f"{key}_owner"] = owner
     if unit and owner and f"/{unit}" in owner.get("cgroup", ""):
-        checks["port"] = f"held by {unit} (ours: a rerun)"
+        checks[key] = f"held by {unit} (ours: a rerun)"
         return []
     if unit and not owner:
         rc, out, _ = module.run_command(["systemctl", "is-active", unit])
         if rc == 0 and out.strip() == "active":
-            checks["port"] = f"held by an unseen process while {unit} is active (taken as ours)"
+            checks[key] = f"held by an unseen process while {unit} is active (taken as ours)"
             return []
     who = f"pid {owner['pid']} ({owner['cmdline']})" if owner else "another process"
-    return [f"service port {port} is in use by {who}, not by {unit or 'our vLLM unit'}"]
+    return [f"{label} {port} is in use by {who}, not by {unit or 'our vLLM unit'}"]
+
+
+def interface_addresses(module: AnsibleModule) -> dict[str, str]:
+    """Every IP address of this node -> the interface holding it (iproute2's JSON)."""
+    rc, out, err = module.run_command(["ip", "-j", "addr", "show"])
+    if rc != 0:
+        raise OSError(f"ip -j addr show failed (rc {rc}): {err.strip() or out.strip()}")
+    return {
+        info["local"]: link["ifname"]
+        for link in json.loads(out or "[]")
+        for info in link.get("addr_info", [])
+        if info.get("local")
+    }
+
+
+def route_to(leader: str, port: int) -> tuple[str, str]:
+    """(the leader's IP, this node's source address towards it); the kernel picks the
+    route for a connected UDP socket, no packet is sent."""
+    family, kind, proto, _, sockaddr = socket.getaddrinfo(leader, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.connect(sockaddr)
+        return sockaddr[0], sock.getsockname()[0]
+
+
+def replica_plan(module: AnsibleModule, checks: dict) -> tuple[dict, list[str]]:
+    """The network a replica of several nodes runs on, from this node, and its problems."""
+    p = module.params
+    if p["replica_nodes"] <= 1:
+        return {}, []
+    name, rank, leader, port = (
+        p["replica_name"] or p["host"],
+        p["replica_rank"],
+        p["replica_leader"],
+        p["replica_port"],
+    )
+    where = f"replica {name} (rank {rank} of {p['replica_nodes']})"
+    if not leader:
+        return {}, [f"{where}: no leader address (vllm_fleet_replica_address on its rank 0 node)"]
+    try:
+        leader_ip, host_ip = route_to(leader, port)
+    except socket.gaierror as exc:
+        return {}, [f"{where}: cannot resolve the leader's address {leader!r}: {exc.strerror}"]
+    except OSError as exc:
+        return {}, [f"{where}: no route to the leader {leader}: {exc.strerror or exc}"]
+    try:
+        ifname = interface_addresses(module).get(host_ip, "")
+    except (OSError, ValueError) as exc:
+        return {}, [f"{where}: cannot list this node's addresses: {exc}"]
+    problems = [] if ifname else [f"{where}: no interface holds {host_ip}, the address to {leader}"]
+    if rank == 0 and host_ip != leader_ip:
+        problems.append(
+            f"{where}: this node leads, but the leader address {leader} ({leader_ip}) is not "
+            f"one of its own (it reaches {leader_ip} from {host_ip})"
+        )
+    elif rank == 0:
+        problems += port_problems(
+            module, port, p["service_unit"], checks, "rendezvous port", leader_ip
+        )
+    env = {"VLLM_HOST_IP": host_ip, "NCCL_SOCKET_IFNAME": ifname, "GLOO_SOCKET_IFNAME": ifname}
+    where_to = {"leader": leader, "leader_ip": leader_ip, "port": port}
+    here = {"host_ip": host_ip, "ifname": ifname, "env": env}
+    return {"name": name, "nodes": p["replica_nodes"], "rank": rank, **where_to, **here}, problems
 
 
 def cpu_memory_bytes() -> int:
@@ -494,6 +607,11 @@ def build_plan(module: AnsibleModule) -> dict:
     tp, pp = p["tensor_parallel_size"], p["pipeline_parallel_size"]
     if tp < 1 or pp < 1:
         module.fail_json(msg=f"parallel sizes must be >= 1 (tensor {tp}, pipeline {pp})")
+    if p["replica_nodes"] < 1 or not 0 <= p["replica_rank"] < p["replica_nodes"]:
+        module.fail_json(
+            msg=f"replica rank {p['replica_rank']} must be in 0..{p['replica_nodes'] - 1} "
+            f"(replica_nodes {p['replica_nodes']} >= 1)"
+        )
     if not 0 < p["gpu_memory_utilization"] <= 1:
         module.fail_json(
             msg=f"gpu_memory_utilization must be in (0, 1], not {p['gpu_memory_utilization']}"
@@ -543,6 +661,7 @@ def build_plan(module: AnsibleModule) -> dict:
             p["checkpoint_bytes"],
             p["gpu_memory_utilization"],
             p["min_kv_cache_bytes"],
+            p["replica_nodes"],
         )
         problems.extend(fit)
         if fit:
@@ -564,7 +683,11 @@ def build_plan(module: AnsibleModule) -> dict:
         checks["memory_bytes"] = memory
         problems.extend(
             cpu_fit_problems(
-                memory, p["checkpoint_bytes"], p["min_kv_cache_bytes"], p["cpu_overhead_bytes"]
+                memory,
+                # Each node of a replica holds its share of the layers.
+                p["checkpoint_bytes"] // max(p["replica_nodes"], 1),
+                p["min_kv_cache_bytes"],
+                p["cpu_overhead_bytes"],
             )
         )
     storage = storage_problems(p["storage_root"], p["storage_must_be_mount"], checks)
@@ -572,6 +695,8 @@ def build_plan(module: AnsibleModule) -> dict:
     if not storage:
         problems.extend(disk_problems(p["model_dir"], p["checkpoint_bytes"], checks))
     problems.extend(port_problems(module, p["service_port"], p["service_unit"], checks))
+    replica, replica_problems = replica_plan(module, checks)
+    problems.extend(replica_problems)
 
     plan = {
         "device": p["device"],
@@ -591,6 +716,7 @@ def build_plan(module: AnsibleModule) -> dict:
         "nccl_profile": nccl["profile"],
         "checkpoint_kv_cache_quant": traits["kv_cache_quant"],
         "checkpoint_source": traits["source"],
+        "replica": replica,
         "checkpoint_proof": checkpoint_proof(
             p["model_dir"], p["checkpoint_repo"], p["checkpoint_state_dir"]
         ),
@@ -623,6 +749,11 @@ def main() -> None:
                 "choices": ["", "none", "fp8", "int8", "nvfp4"],
                 "default": "",
             },
+            "replica_nodes": {"type": "int", "default": 1},
+            "replica_rank": {"type": "int", "default": 0},
+            "replica_name": {"type": "str", "default": ""},
+            "replica_leader": {"type": "str", "default": ""},
+            "replica_port": {"type": "int", "default": 29501},
             "storage_root": {"type": "path", "required": True},
             "storage_must_be_mount": {"type": "bool", "default": True},
             "gpu_memory_utilization": {"type": "float", "default": 0.9},

@@ -395,10 +395,13 @@ def gpu_fit_problems(
     checkpoint_bytes: int,
     memory_utilization: float,
     min_kv_cache_bytes: int,
+    nodes: int = 1,
 ) -> list[str]:
-    """Parallel size vs GPUs, and weights per GPU + a minimum KV budget vs GPU memory."""
+    """Parallel size vs GPUs (each of a replica's nodes holds its share), and weights per
+    GPU + a minimum KV budget vs GPU memory."""
     problems: list[str] = []
     world = tensor_parallel * pipeline_parallel
+    share = -(-world // max(nodes, 1))
     if not gpu.get("nvidia_smi_found"):
         return [
             "no NVIDIA driver: nvidia-smi not found (device is cuda; install the driver or "
@@ -409,10 +412,11 @@ def gpu_fit_problems(
     count = int(gpu.get("gpu_count", 0))
     if count == 0:
         return ["nvidia-smi reports no GPUs"]
-    if world > count:
+    if share > count:
+        over = f" over {nodes} nodes, {share} on each" if nodes > 1 else ""
         problems.append(
             f"tensor_parallel_size {tensor_parallel} x pipeline_parallel_size {pipeline_parallel}"
-            f" = {world} GPUs needed, this host has {count}"
+            f" = {world} GPUs needed{over}, this host has {count}"
         )
     memories = [g["memory_mib"] for g in gpu.get("gpus", []) if g.get("memory_mib")]
     if memories and world > 0:

@@ -8,6 +8,7 @@ comes back in the diff, nothing is written.
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 PLAYBOOK = ROOT / "tests/integration/playbooks/render_unit.yml"
+PLAN_PLAYBOOK = ROOT / "tests/integration/playbooks/plan.yml"
 PROFILE = yaml.safe_load((ROOT / "playbooks/models/tiny-kimi.yml").read_text())
 UNIT_TASK = "Install the systemd unit (verified with systemd-analyze first)"
 
@@ -34,12 +36,14 @@ def write_inventory(root: Path, group_vars: dict[str, Any], host_vars: dict[str,
     return root
 
 
-def run(tmp_path: Path, inventory: Path, **extravars: Any) -> ansible_runner.Runner:
+def run(
+    tmp_path: Path, inventory: Path, playbook: Path = PLAYBOOK, **extravars: Any
+) -> ansible_runner.Runner:
     (tmp_path / "runner").mkdir()
     return ansible_runner.run(
         private_data_dir=str(tmp_path / "runner"),
         project_dir=str(ROOT),
-        playbook=str(PLAYBOOK),
+        playbook=str(playbook),
         inventory=str(inventory),
         extravars=extravars,
         cmdline="--check --diff",
@@ -171,16 +175,111 @@ def test_a_broken_replica_topology_is_refused_with_every_problem(tmp_path: Path)
     )
 
 
-def test_a_replica_across_nodes_is_refused_until_it_can_be_launched(tmp_path: Path) -> None:
-    # Tensor parallel 2 over 2 nodes: a topology that fits.
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def plan_replica(tmp_path: Path, leader: dict[str, Any], follower: dict[str, Any]) -> Any:
+    """validate.yml + preflight.yml on node-a and node-b (this machine, device cpu) as
+    one tensor parallel 2 replica: node-a leads; the events of the run."""
+    storage = tmp_path / "storage"
+    storage.mkdir()
+    group = {
+        "vllm_fleet_device": "cpu",
+        "vllm_fleet_tensor_parallel_size": 2,
+        "vllm_fleet_storage_root": str(storage),
+        "preflight_storage_must_be_mount": False,
+        "vllm_service_port": free_port(),
+        "vllm_fleet_replica_port": leader.pop("port"),
+        "vllm_fleet_replica": "r1",
+    }
     inventory = write_inventory(
-        tmp_path / "inventory",
-        {"vllm_fleet_tensor_parallel_size": 2},
-        {"vllm_fleet_replica": "r1", "vllm_fleet_replica_rank": 1},
+        tmp_path / "inventory", group, {"vllm_fleet_replica_rank": 1, **follower}
     )
     (inventory / "host_vars/node-a.yml").write_text(
-        yaml.safe_dump({"vllm_fleet_replica": "r1", "vllm_fleet_replica_rank": 0})
+        yaml.safe_dump({"vllm_fleet_replica_rank": 0, **leader})
     )
-    failed = failed_validation(run(tmp_path, inventory))
-    assert failed["task"] == "Refuse replicas that span several nodes"
-    assert "r1 spans node-a, node-b" in failed["res"]["msg"]
+    runner = run(tmp_path, inventory, PLAN_PLAYBOOK)
+    assert runner.rc != 0
+    return list(runner.events)
+
+
+def failures(events: list[dict[str, Any]]) -> dict[str, list[tuple[str, str]]]:
+    """Failed task -> [(host, message)], after validation passed."""
+    found: dict[str, list[tuple[str, str]]] = {}
+    for event in events:
+        data = event.get("event_data", {})
+        if event["event"] == "runner_on_failed":
+            assert data["play"] == "Preflight", data
+            found.setdefault(data["task"], []).append((data["host"], data["res"]["msg"]))
+    return found
+
+
+def test_a_replica_across_nodes_is_planned_then_refused_until_it_can_be_launched(
+    tmp_path: Path,
+) -> None:
+    # Tensor parallel 2 over 2 nodes: a topology that fits, and a network that works.
+    port = free_port()
+    events = plan_replica(tmp_path, {"vllm_fleet_replica_address": "127.0.0.1", "port": port}, {})
+    route = f"leader 127.0.0.1:{port} reached from 127.0.0.1 over lo"
+    assert failures(events) == {
+        "Refuse replicas that span several nodes": [(
+            "node-a",
+            "vllm-fleet does not launch one replica across nodes yet; planned, nothing was "
+            f"changed: node-a (replica r1, rank 0 of 2: {route}); node-b (replica r1, rank 1 "
+            f"of 2: {route}). Serve the model from one node per replica (tensor x pipeline "
+            "parallel within its GPUs) and remove vllm_fleet_replica.",
+        )]
+    }  # fmt: skip
+
+
+def test_a_replica_whose_nodes_plan_differently_is_refused_naming_each(tmp_path: Path) -> None:
+    port = free_port()
+    events = plan_replica(
+        tmp_path,
+        {"vllm_fleet_replica_address": "127.0.0.1", "port": port},
+        {"vllm_fleet_replica_port": port + 1},
+    )
+    assert failures(events) == {
+        "Check that the nodes of each replica plan alike": [(
+            "node-a",
+            "Preflight found 1 difference(s) within replicas, nothing was changed: (1) replica "
+            f"r1: its nodes plan different leader port (node-a: {port}, node-b: {port + 1}).",
+        )]
+    }  # fmt: skip
+
+
+def test_a_leader_address_the_nodes_cannot_resolve_stops_every_node(tmp_path: Path) -> None:
+    events = plan_replica(
+        tmp_path, {"vllm_fleet_replica_address": "leader.invalid", "port": free_port()}, {}
+    )
+    failed = failures(events)
+    assert list(failed) == ["Fail with every problem found"]
+    assert sorted(host for host, _ in failed["Fail with every problem found"]) == [
+        "node-a",
+        "node-b",
+    ]
+    for host, msg in failed["Fail with every problem found"]:
+        rank = 0 if host == "node-a" else 1
+        assert msg.startswith(f"Preflight found 1 problem(s) on {host}, nothing was changed: (1) "
+                              f"replica r1 (rank {rank} of 2): cannot resolve the leader's "
+                              "address 'leader.invalid'"), msg  # fmt: skip
+
+
+def test_rollback_refuses_a_replica_across_nodes_before_any_change(tmp_path: Path) -> None:
+    inventory = write_inventory(
+        tmp_path / "inventory",
+        {"vllm_fleet_tensor_parallel_size": 2, "vllm_fleet_replica": "r1"},
+        {"vllm_fleet_replica_rank": 1},
+    )
+    (inventory / "host_vars/node-a.yml").write_text(yaml.safe_dump({"vllm_fleet_replica_rank": 0}))
+    runner = run(tmp_path, inventory, ROOT / "rollback.yml")
+    assert runner.rc != 0
+    failed = [e["event_data"] for e in runner.events if e["event"] == "runner_on_failed"]
+    assert [(f["task"], f["res"]["msg"]) for f in failed] == [(
+        "Refuse replicas that span several nodes",
+        "vllm-fleet does not launch one replica across nodes yet, so it cannot roll one back: "
+        "r1 spans node-a, node-b. Nothing was changed.",
+    )]  # fmt: skip

@@ -405,3 +405,79 @@ def test_checkpoint_proof_names_the_commit_this_node_sees_or_why_not(storage: Pa
     proof = run(args(storage, **given))["plan"]["checkpoint_proof"]
     assert proof["sha"] == ""
     assert "config.json (changed since the download proved it)" in proof["reason"]
+
+
+def test_a_replica_of_one_node_plans_no_network(storage: Path) -> None:
+    assert run(args(storage, checkpoint_bytes=1))["plan"]["replica"] == {}
+
+
+def test_a_replica_node_plans_the_route_to_its_leader(storage: Path) -> None:
+    """Each node of a multi-node replica: the address and interface it reaches the
+    leader from become VLLM_HOST_IP and the NCCL/Gloo socket interfaces."""
+    port = free_port()
+    replica = {"replica_name": "r1", "replica_nodes": 2, "replica_leader": "127.0.0.1",
+               "replica_port": port}  # fmt: skip
+    leader = run(args(storage, checkpoint_bytes=1, replica_rank=0, **replica))
+    assert leader["problems"] == []
+    assert leader["plan"]["replica"] == {
+        "name": "r1", "nodes": 2, "rank": 0, "leader": "127.0.0.1", "leader_ip": "127.0.0.1",
+        "port": port, "host_ip": "127.0.0.1", "ifname": "lo",
+        "env": {"VLLM_HOST_IP": "127.0.0.1", "NCCL_SOCKET_IFNAME": "lo",
+                "GLOO_SOCKET_IFNAME": "lo"},
+    }  # fmt: skip
+    assert leader["checks"]["rendezvous_port"] == "free"
+    follower = run(args(storage, checkpoint_bytes=1, replica_rank=1, **replica))
+    assert follower["problems"] == [] and follower["plan"]["replica"]["rank"] == 1
+    # The rendezvous port is checked on the leader only: taken, the leader says by whom.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        problems = run(args(storage, checkpoint_bytes=1, replica_rank=0, **replica))["problems"]
+        assert len(problems) == 1 and problems[0].startswith(f"rendezvous port {port} is in use")
+        assert run(args(storage, checkpoint_bytes=1, replica_rank=1, **replica))["problems"] == []
+
+
+def test_replica_network_problems_are_listed_with_the_rest(storage: Path) -> None:
+    replica = {"replica_name": "r1", "replica_nodes": 2, "replica_port": free_port()}
+    unknown = run(args(storage, checkpoint_bytes=1, replica_rank=1,
+                       replica_leader="leader.invalid", **replica))  # fmt: skip
+    (problem,) = unknown["problems"]
+    assert problem.startswith(
+        "replica r1 (rank 1 of 2): cannot resolve the leader's address 'leader.invalid'"
+    )
+    # Rank 0 whose declared leader address is not the one it reaches it from
+    # (127.0.0.2 is reached from 127.0.0.1 on every Linux host).
+    elsewhere = run(args(storage, checkpoint_bytes=1, replica_rank=0,
+                         replica_leader="127.0.0.2", **replica))["problems"]  # fmt: skip
+    assert elsewhere == [
+        "replica r1 (rank 0 of 2): this node leads, but the leader address 127.0.0.2 "
+        "(127.0.0.2) is not one of its own (it reaches 127.0.0.2 from 127.0.0.1)"
+    ]
+    missing = run(args(storage, checkpoint_bytes=1, replica_rank=1, **replica))["problems"]
+    assert missing == [
+        "replica r1 (rank 1 of 2): no leader address "
+        "(vllm_fleet_replica_address on its rank 0 node)"
+    ]
+    assert "replica rank 2 must be in 0..1" in fail(
+        args(storage, checkpoint_bytes=1, replica_rank=2, replica_leader="127.0.0.1", **replica)
+    )
+
+
+def test_each_replica_node_needs_only_its_share_of_the_gpus(storage: Path) -> None:
+    # Tensor parallel 8 on 4-GPU nodes: refused on one node, fits over two.
+    four = {**gpu("rtx-pro-6000-x8"), "gpu_count": 4}
+    four["gpus"] = four["gpus"][:4]
+    alone = run(args(storage, gpu=four, checkpoint_bytes=1))["problems"]
+    assert alone == [
+        "tensor_parallel_size 8 x pipeline_parallel_size 1 = 8 GPUs needed, this host has 4"
+    ]
+    over_two = run(args(storage, gpu=four, checkpoint_bytes=1, replica_nodes=2,
+                        replica_leader="127.0.0.1", replica_port=free_port()))  # fmt: skip
+    assert over_two["problems"] == []
+    over_four = run(args(storage, gpu={**four, "gpu_count": 1, "gpus": four["gpus"][:1]},
+                         checkpoint_bytes=1, replica_nodes=2, replica_leader="127.0.0.1",
+                         replica_port=free_port()))["problems"]  # fmt: skip
+    assert over_four == [
+        "tensor_parallel_size 8 x pipeline_parallel_size 1 = 8 GPUs needed over 2 nodes, "
+        "4 on each, this host has 1"
+    ]
