@@ -451,8 +451,8 @@ def port_problems(
     checks: dict,
     label: str = "service port",
     address: str = "0.0.0.0",
+    key: str = "port",
 ) -> list[str]:
-    key = label.replace(" ", "_")
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         # SO_REUSEADDR: a port in TIME_WAIT is free; only a listener blocks the bind.
@@ -531,7 +531,7 @@ def replica_plan(module: AnsibleModule, checks: dict) -> tuple[dict, list[str]]:
         )
     elif rank == 0:
         problems += port_problems(
-            module, port, p["service_unit"], checks, "rendezvous port", leader_ip
+            module, port, p["service_unit"], checks, "rendezvous port", leader_ip, "rendezvous_port"
         )
     env = {"VLLM_HOST_IP": host_ip, "NCCL_SOCKET_IFNAME": ifname, "GLOO_SOCKET_IFNAME": ifname}
     where_to = {"leader": leader, "leader_ip": leader_ip, "port": port}

@@ -425,7 +425,8 @@ def test_a_replica_node_plans_the_route_to_its_leader(storage: Path) -> None:
         "env": {"VLLM_HOST_IP": "127.0.0.1", "NCCL_SOCKET_IFNAME": "lo",
                 "GLOO_SOCKET_IFNAME": "lo"},
     }  # fmt: skip
-    assert leader["checks"]["rendezvous_port"] == "free"
+    # Each port under its own key: the service port's stays "port" (Molecule reads it).
+    assert (leader["checks"]["port"], leader["checks"]["rendezvous_port"]) == ("free", "free")
     follower = run(args(storage, checkpoint_bytes=1, replica_rank=1, **replica))
     assert follower["problems"] == [] and follower["plan"]["replica"]["rank"] == 1
     # The rendezvous port is checked on the leader only: taken, the leader says by whom.
