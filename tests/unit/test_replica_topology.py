@@ -106,14 +106,6 @@ def test_a_rank_is_a_whole_number_from_zero(rank: Any, valid: bool) -> None:
     assert (topology._whole(rank) is not None) is valid
 
 
-_PREFLIGHT = importlib.util.spec_from_file_location(
-    "preflight_replicas", ROOT / "roles/preflight/filter_plugins/preflight_replicas.py"
-)
-assert _PREFLIGHT and _PREFLIGHT.loader
-preflight = importlib.util.module_from_spec(_PREFLIGHT)
-_PREFLIGHT.loader.exec_module(preflight)
-
-
 def test_a_node_finds_its_replica_and_the_leader_address_in_the_inventory() -> None:
     hostvars = {
         "a": {"vllm_fleet_replica": "r1", "vllm_fleet_replica_rank": 1},
@@ -122,13 +114,13 @@ def test_a_node_finds_its_replica_and_the_leader_address_in_the_inventory() -> N
         "c": {},
     }  # fmt: skip
     hosts = ["a", "b", "c"]
-    assert preflight.replica_of("a", hostvars, hosts) == {
+    assert topology.replica_of("a", hostvars, hosts) == {
         "name": "r1", "nodes": 2, "rank": 1, "leader": "b", "leader_address": "10.0.0.2",
     }  # fmt: skip
     # The leader's own vllm_fleet_replica_address wins over its ansible_host.
     hostvars["b"]["vllm_fleet_replica_address"] = "192.168.7.2"
-    assert preflight.replica_of("b", hostvars, hosts)["leader_address"] == "192.168.7.2"
-    assert preflight.replica_of("c", hostvars, hosts) == {
+    assert topology.replica_of("b", hostvars, hosts)["leader_address"] == "192.168.7.2"
+    assert topology.replica_of("c", hostvars, hosts) == {
         "name": "", "nodes": 1, "rank": 0, "leader": "c", "leader_address": "",
     }  # fmt: skip
 
@@ -141,9 +133,9 @@ def test_the_nodes_of_a_replica_must_plan_alike() -> None:
 
     alone = {"vllm_fleet_plan": {"kv_cache_quant": "original", "replica": {}}}
     hostvars = {"a": plan("absent", "10.0.0.1"), "b": plan("absent", "10.0.0.1"), "c": alone}
-    assert preflight.replica_disagreements(["a", "b", "c"], hostvars) == []
+    assert topology.replica_disagreements(["a", "b", "c"], hostvars) == []
     hostvars["b"] = plan("original", "10.0.0.9")
-    assert preflight.replica_disagreements(["a", "b", "c"], hostvars) == [
+    assert topology.replica_disagreements(["a", "b", "c"], hostvars) == [
         "replica r1: its nodes plan different kv_cache_quant (a: absent, b: original)",
         "replica r1: its nodes plan different leader address (a: 10.0.0.1, b: 10.0.0.9)",
     ]
