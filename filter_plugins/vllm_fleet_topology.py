@@ -16,6 +16,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ansible.errors import AnsibleFilterError
+
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 # What every node of one replica must agree on (each node's own values, after
 # the inventory's group_vars and host_vars).
@@ -161,7 +163,14 @@ ALIKE = (
     "tensor_parallel_size",
     "pipeline_parallel_size",
 )
-LEADER = {"leader address": "leader_ip", "leader port": "port"}
+LEADER = {
+    "leader": "leader_host",
+    "leader address": "leader_ip",
+    "leader port": "port",
+    "leader API port": "api_port",
+}
+# vllm_service's default port, for a leader whose inventory sets none.
+DEFAULT_API_PORT = 8000
 
 
 def _replica_name(hostvars: Mapping[str, Any], host: str) -> str:
@@ -169,10 +178,14 @@ def _replica_name(hostvars: Mapping[str, Any], host: str) -> str:
 
 
 def replica_of(host: str, hostvars: Mapping[str, Any], hosts: Sequence[str]) -> dict[str, Any]:
-    """``host``'s replica among ``hosts``: name, node count, rank, leader and its address."""
+    """``host``'s replica among ``hosts``: name, node count, rank, leader, its address and
+    its API port (where followers wait for the replica's /health)."""
     name = _replica_name(hostvars, host)
     if not name:
-        return {"name": "", "nodes": 1, "rank": 0, "leader": host, "leader_address": ""}
+        return {
+            "name": "", "nodes": 1, "rank": 0, "leader": host, "leader_address": "",
+            "leader_api_port": 0, "leader_port": 0,
+        }  # fmt: skip
     members = [other for other in hosts if _replica_name(hostvars, other) == name]
     leader = next(
         (m for m in members if str(hostvars[m].get("vllm_fleet_replica_rank")) == "0"), ""
@@ -185,6 +198,9 @@ def replica_of(host: str, hostvars: Mapping[str, Any], hosts: Sequence[str]) -> 
         "rank": int(hostvars[host].get("vllm_fleet_replica_rank") or 0),
         "leader": leader,
         "leader_address": str(address),
+        "leader_api_port": int(leading.get("vllm_service_port") or DEFAULT_API_PORT),
+        # Set on the leader like its address (or for the group); 0: the node's own.
+        "leader_port": int(leading.get("vllm_fleet_replica_port") or 0),
     }
 
 
@@ -210,9 +226,59 @@ def replica_disagreements(hosts: Sequence[str], hostvars: Mapping[str, Any]) -> 
     return problems
 
 
+def _rollout_units(hosts: Sequence[str], hostvars: Mapping[str, Any]) -> list[list[str]]:
+    """``hosts`` as rollout units: a replica's nodes together, in its first node's place."""
+    units: dict[str, list[str]] = {}
+    for host in hosts:
+        replica = (hostvars[host].get("vllm_fleet_plan") or {}).get("replica") or {}
+        units.setdefault(replica.get("name") or f"node {host}", []).append(host)
+    return list(units.values())
+
+
+def _rollout(groups: Mapping[str, Sequence[str]], hostvars: Mapping[str, Any]) -> tuple:
+    idle = _rollout_units(groups.get("vllm_fleet_rollout_idle", []), hostvars)
+    live = _rollout_units(groups.get("vllm_fleet_rollout_live", []), hostvars)
+    return idle, live
+
+
+def rollout_hosts(groups: Mapping[str, Sequence[str]], hostvars: Mapping[str, Any]) -> list[str]:
+    """The serve play's hosts: the nodes that do not serve, then those that do, each
+    replica's nodes side by side (serial batches never split one)."""
+    idle, live = _rollout(groups, hostvars)
+    return [host for unit in idle + live for host in unit]
+
+
+def _units_per_batch(serial: Any, units: int) -> int:
+    text = str(serial).strip()
+    if text.endswith("%") and text[:-1].isdigit():
+        return max(1, units * int(text[:-1]) // 100)
+    if text.isdigit() and int(text) > 0:
+        return int(text)
+    raise AnsibleFilterError(
+        f"vllm_fleet_serial {serial!r}: with replicas of several nodes it counts replicas, "
+        "so it must be a whole number above 0 or a percentage such as 25%"
+    )
+
+
+def rollout_serial(
+    groups: Mapping[str, Sequence[str]], hostvars: Mapping[str, Any], serial: Any
+) -> list[Any]:
+    """The serve play's serial: every node that does not serve in one batch, then
+    ``serial`` serving nodes at a time; with replicas of several nodes, ``serial``
+    replicas at a time, each batch the sum of their nodes."""
+    idle, live = _rollout(groups, hostvars)
+    head = [sum(len(unit) for unit in idle)] if idle else []
+    if all(len(unit) == 1 for unit in live):
+        return [*head, *(serial if isinstance(serial, list) else [serial])]
+    per = _units_per_batch(serial, len(live))
+    return head + [
+        sum(len(unit) for unit in live[start : start + per]) for start in range(0, len(live), per)
+    ]
+
+
 class FilterModule:
     """vllm_fleet_replicas, vllm_fleet_replica_problems, vllm_fleet_replica_of,
-    vllm_fleet_replica_disagreements."""
+    vllm_fleet_replica_disagreements, vllm_fleet_rollout_hosts, vllm_fleet_rollout_serial."""
 
     def filters(self) -> dict[str, Any]:
         return {
@@ -220,4 +286,6 @@ class FilterModule:
             "vllm_fleet_replica_problems": replica_problems,
             "vllm_fleet_replica_of": replica_of,
             "vllm_fleet_replica_disagreements": replica_disagreements,
+            "vllm_fleet_rollout_hosts": rollout_hosts,
+            "vllm_fleet_rollout_serial": rollout_serial,
         }

@@ -107,9 +107,23 @@ options:
     type: str
     default: ''
   replica_port:
-    description: The leader's rendezvous port (vLLM C(--master-port)); must be free on the leader.
+    description:
+      - The leader's rendezvous port (vLLM C(--master-port)); it and the next port (the replica's
+        watch port) must be free on the leader.
     type: int
     default: 29501
+  replica_leader_host:
+    description:
+      - The leader's inventory name, passed through to RV(plan.replica) (the service and
+        rolling path find the replica's leader by it).
+    type: str
+    default: ''
+  replica_api_port:
+    description:
+      - The leader's API port (its C(vllm_service_port)), passed through to RV(plan.replica);
+        followers wait on the leader's C(/health) there.
+    type: int
+    default: 8000
   storage_root:
     description: The shared storage root every node mounts.
     type: path
@@ -243,9 +257,11 @@ plan:
     replica:
       description:
         - For a replica of several nodes (empty otherwise) - its name, node count, this
-          node's rank, the leader's address and resolved IP, the rendezvous port, the address
-          and interface this node reaches the leader from, and the environment the engine
-          needs for that (C(VLLM_HOST_IP), C(NCCL_SOCKET_IFNAME), C(GLOO_SOCKET_IFNAME)).
+          node's rank, the leader's address and resolved IP, the rendezvous port and the next one
+          (the watch port, where each follower holds a connection to its leader), the leader's
+          inventory name and API port, the address and interface this node reaches the leader
+          from, and the environment the engine needs for that (C(VLLM_HOST_IP),
+          C(NCCL_SOCKET_IFNAME), C(GLOO_SOCKET_IFNAME)).
       type: dict
       sample:
         name: r1
@@ -254,6 +270,9 @@ plan:
         leader: 10.0.0.11
         leader_ip: 10.0.0.11
         port: 29501
+        watch_port: 29502
+        leader_host: gpu-a
+        api_port: 8000
         host_ip: 10.0.0.12
         ifname: eth0
         env: {VLLM_HOST_IP: 10.0.0.12, NCCL_SOCKET_IFNAME: eth0, GLOO_SOCKET_IFNAME: eth0}
@@ -533,8 +552,19 @@ def replica_plan(module: AnsibleModule, checks: dict) -> tuple[dict, list[str]]:
         problems += port_problems(
             module, port, p["service_unit"], checks, "rendezvous port", leader_ip, "rendezvous_port"
         )
+        problems += port_problems(
+            module, port + 1, p["service_unit"], checks, "watch port", leader_ip, "watch_port"
+        )
     env = {"VLLM_HOST_IP": host_ip, "NCCL_SOCKET_IFNAME": ifname, "GLOO_SOCKET_IFNAME": ifname}
-    where_to = {"leader": leader, "leader_ip": leader_ip, "port": port}
+    where_to = {
+        "leader": leader,
+        "leader_ip": leader_ip,
+        "port": port,
+        # Where followers tell the leader they live (files/vllm_replica.py in vllm_service).
+        "watch_port": port + 1,
+        "leader_host": p["replica_leader_host"],
+        "api_port": p["replica_api_port"],
+    }
     here = {"host_ip": host_ip, "ifname": ifname, "env": env}
     return {"name": name, "nodes": p["replica_nodes"], "rank": rank, **where_to, **here}, problems
 
@@ -754,6 +784,8 @@ def main() -> None:
             "replica_name": {"type": "str", "default": ""},
             "replica_leader": {"type": "str", "default": ""},
             "replica_port": {"type": "int", "default": 29501},
+            "replica_leader_host": {"type": "str", "default": ""},
+            "replica_api_port": {"type": "int", "default": 8000},
             "storage_root": {"type": "path", "required": True},
             "storage_must_be_mount": {"type": "bool", "default": True},
             "gpu_memory_utilization": {"type": "float", "default": 0.9},

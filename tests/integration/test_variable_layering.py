@@ -181,9 +181,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def plan_replica(tmp_path: Path, leader: dict[str, Any], follower: dict[str, Any]) -> Any:
+def plan_replica(
+    tmp_path: Path, leader: dict[str, Any], follower: dict[str, Any], *, fails: bool = True
+) -> Any:
     """validate.yml + preflight.yml on node-a and node-b (this machine, device cpu) as
-    one tensor parallel 2 replica: node-a leads; the events of the run."""
+    one tensor parallel 2 replica: node-a leads (``port``: the group's rendezvous
+    port); the events of the run."""
     storage = tmp_path / "storage"
     storage.mkdir()
     group = {
@@ -192,9 +195,10 @@ def plan_replica(tmp_path: Path, leader: dict[str, Any], follower: dict[str, Any
         "vllm_fleet_storage_root": str(storage),
         "preflight_storage_must_be_mount": False,
         "vllm_service_port": free_port(),
-        "vllm_fleet_replica_port": leader.pop("port"),
         "vllm_fleet_replica": "r1",
     }
+    if "port" in leader:
+        group["vllm_fleet_replica_port"] = leader.pop("port")
     inventory = write_inventory(
         tmp_path / "inventory", group, {"vllm_fleet_replica_rank": 1, **follower}
     )
@@ -202,7 +206,7 @@ def plan_replica(tmp_path: Path, leader: dict[str, Any], follower: dict[str, Any
         yaml.safe_dump({"vllm_fleet_replica_rank": 0, **leader})
     )
     runner = run(tmp_path, inventory, PLAN_PLAYBOOK)
-    assert runner.rc != 0
+    assert (runner.rc != 0) is fails, runner.stdout.read()[-3000:]
     return list(runner.events)
 
 
@@ -217,36 +221,45 @@ def failures(events: list[dict[str, Any]]) -> dict[str, list[tuple[str, str]]]:
     return found
 
 
-def test_a_replica_across_nodes_is_planned_then_refused_until_it_can_be_launched(
-    tmp_path: Path,
-) -> None:
+def test_a_replica_across_nodes_is_planned_for_each_node(tmp_path: Path) -> None:
     # Tensor parallel 2 over 2 nodes: a topology that fits, and a network that works.
     port = free_port()
-    events = plan_replica(tmp_path, {"vllm_fleet_replica_address": "127.0.0.1", "port": port}, {})
-    route = f"leader 127.0.0.1:{port} reached from 127.0.0.1 over lo"
-    assert failures(events) == {
-        "Refuse replicas that span several nodes": [(
-            "node-a",
-            "vllm-fleet does not launch one replica across nodes yet; planned, nothing was "
-            f"changed: node-a (replica r1, rank 0 of 2: {route}); node-b (replica r1, rank 1 "
-            f"of 2: {route}). Serve the model from one node per replica (tensor x pipeline "
-            "parallel within its GPUs) and remove vllm_fleet_replica.",
-        )]
-    }  # fmt: skip
+    events = plan_replica(
+        tmp_path, {"vllm_fleet_replica_address": "127.0.0.1", "port": port}, {}, fails=False
+    )
+    plans = {
+        e["event_data"]["host"]: e["event_data"]["res"]["ansible_facts"]["vllm_fleet_plan"]
+        for e in events
+        if e["event"] == "runner_on_ok"
+        and "vllm_fleet_plan" in e["event_data"]["res"].get("ansible_facts", {})
+    }
+    assert sorted(plans) == ["node-a", "node-b"]
+    for rank, host in enumerate(("node-a", "node-b")):
+        replica = plans[host]["replica"]
+        assert {k: v for k, v in replica.items() if k not in ("env", "api_port")} == {
+            "name": "r1", "nodes": 2, "rank": rank, "leader": "127.0.0.1",
+            "leader_ip": "127.0.0.1", "port": port, "watch_port": port + 1,
+            "leader_host": "node-a", "host_ip": "127.0.0.1", "ifname": "lo",
+        }  # fmt: skip
+        assert replica["env"] == {
+            "VLLM_HOST_IP": "127.0.0.1", "NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo"
+        }  # fmt: skip
+    # Followers wait on the leader's API port.
+    assert plans["node-a"]["replica"]["api_port"] == plans["node-b"]["replica"]["api_port"] > 0
 
 
 def test_a_replica_whose_nodes_plan_differently_is_refused_naming_each(tmp_path: Path) -> None:
+    # No port on the leader (nor for the group): each node takes its own, and
+    # node-b's is another.
     port = free_port()
     events = plan_replica(
-        tmp_path,
-        {"vllm_fleet_replica_address": "127.0.0.1", "port": port},
-        {"vllm_fleet_replica_port": port + 1},
+        tmp_path, {"vllm_fleet_replica_address": "127.0.0.1"}, {"vllm_fleet_replica_port": port}
     )
     assert failures(events) == {
         "Check that the nodes of each replica plan alike": [(
             "node-a",
             "Preflight found 1 difference(s) within replicas, nothing was changed: (1) replica "
-            f"r1: its nodes plan different leader port (node-a: {port}, node-b: {port + 1}).",
+            f"r1: its nodes plan different leader port (node-a: 29501, node-b: {port}).",
         )]
     }  # fmt: skip
 
@@ -280,6 +293,7 @@ def test_rollback_refuses_a_replica_across_nodes_before_any_change(tmp_path: Pat
     failed = [e["event_data"] for e in runner.events if e["event"] == "runner_on_failed"]
     assert [(f["task"], f["res"]["msg"]) for f in failed] == [(
         "Refuse replicas that span several nodes",
-        "vllm-fleet does not launch one replica across nodes yet, so it cannot roll one back: "
-        "r1 spans node-a, node-b. Nothing was changed.",
+        "rollback.yml does not return a replica of several nodes to a release yet (its nodes' "
+        "releases are recorded one by one, and must change together): r1 spans node-a, "
+        "node-b. Nothing was changed.",
     )]  # fmt: skip

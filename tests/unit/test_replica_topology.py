@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from ansible.errors import AnsibleFilterError
 
 ROOT = Path(__file__).resolve().parents[2]
 _SPEC = importlib.util.spec_from_file_location(
@@ -116,12 +117,20 @@ def test_a_node_finds_its_replica_and_the_leader_address_in_the_inventory() -> N
     hosts = ["a", "b", "c"]
     assert topology.replica_of("a", hostvars, hosts) == {
         "name": "r1", "nodes": 2, "rank": 1, "leader": "b", "leader_address": "10.0.0.2",
+        "leader_api_port": 8000, "leader_port": 0,
     }  # fmt: skip
     # The leader's own vllm_fleet_replica_address wins over its ansible_host.
     hostvars["b"]["vllm_fleet_replica_address"] = "192.168.7.2"
     assert topology.replica_of("b", hostvars, hosts)["leader_address"] == "192.168.7.2"
+    # Followers wait on the leader's own API port.
+    hostvars["b"]["vllm_service_port"] = "8802"
+    assert topology.replica_of("a", hostvars, hosts)["leader_api_port"] == 8802
+    # And at the leader's rendezvous port.
+    hostvars["b"]["vllm_fleet_replica_port"] = 29531
+    assert topology.replica_of("a", hostvars, hosts)["leader_port"] == 29531
     assert topology.replica_of("c", hostvars, hosts) == {
         "name": "", "nodes": 1, "rank": 0, "leader": "c", "leader_address": "",
+        "leader_api_port": 0, "leader_port": 0,
     }  # fmt: skip
 
 
@@ -139,3 +148,42 @@ def test_the_nodes_of_a_replica_must_plan_alike() -> None:
         "replica r1: its nodes plan different kv_cache_quant (a: absent, b: original)",
         "replica r1: its nodes plan different leader address (a: 10.0.0.1, b: 10.0.0.9)",
     ]
+
+
+def _rollout_hostvars() -> dict[str, Any]:
+    def node(replica: str = "") -> dict[str, Any]:
+        return {"vllm_fleet_plan": {"replica": {"name": replica} if replica else {}}}
+
+    return {"a": node(), "b1": node("r1"), "c": node(), "b2": node("r1"), "d": node(),
+            "e1": node("r2"), "e2": node("r2")}  # fmt: skip
+
+
+def test_the_rolling_path_keeps_a_replica_in_one_batch() -> None:
+    hostvars = _rollout_hostvars()
+    groups = {"vllm_fleet_rollout_idle": ["a"], "vllm_fleet_rollout_live": ["b1", "c", "b2", "d"]}
+    # The idle first; each replica's nodes side by side, in its first node's place.
+    assert topology.rollout_hosts(groups, hostvars) == ["a", "b1", "b2", "c", "d"]
+    # One replica (or single node) at a time: r1's two nodes are one batch.
+    assert topology.rollout_serial(groups, hostvars, 1) == [1, 2, 1, 1]
+    assert topology.rollout_serial(groups, hostvars, "2") == [1, 3, 1]
+    # A percentage of the replicas, rounded down as Ansible does (50% of 3: 1).
+    assert topology.rollout_serial(groups, hostvars, "50%") == [1, 2, 1, 1]
+    assert topology.rollout_serial(groups, hostvars, "67%") == [1, 3, 1]
+    groups["vllm_fleet_rollout_live"] += ["e1", "e2"]
+    assert topology.rollout_serial(groups, hostvars, 2) == [1, 3, 3]
+    with pytest.raises(AnsibleFilterError, match="counts replicas"):
+        topology.rollout_serial(groups, hostvars, [1, 2])
+
+
+def test_a_fleet_of_single_nodes_rolls_as_before() -> None:
+    hostvars = _rollout_hostvars()
+    groups = {"vllm_fleet_rollout_idle": ["a", "c"], "vllm_fleet_rollout_live": ["d"]}
+    assert topology.rollout_hosts(groups, hostvars) == ["a", "c", "d"]
+    # vllm_fleet_serial passes through untouched (a number, a percentage, a list).
+    assert topology.rollout_serial(groups, hostvars, [1, "50%"]) == [2, 1, "50%"]
+    assert topology.rollout_serial({"vllm_fleet_rollout_live": ["d"]}, hostvars, "25%") == ["25%"]
+    # A replica that is idle starts with the other idle nodes, in the first batch.
+    idle = {"vllm_fleet_rollout_idle": ["b1", "a", "b2"], "vllm_fleet_rollout_live": ["c"]}
+    assert topology.rollout_hosts(idle, hostvars) == ["b1", "b2", "a", "c"]
+    assert topology.rollout_serial(idle, hostvars, 1) == [3, 1]
+    assert topology.rollout_hosts({}, hostvars) == []

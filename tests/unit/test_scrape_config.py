@@ -117,3 +117,17 @@ def test_an_empty_node_group_still_renders_valid_yaml(tmp_path: Path) -> None:
     inventory = {"monitoring": {"hosts": {"mon-1": {}}}}
     config = render(tmp_path, inventory)["config"]
     assert targets(config) == {"vllm": {}, "prometheus": {"127.0.0.1:9090": ""}}
+
+
+def test_a_replica_is_scraped_at_its_leader_only(tmp_path: Path) -> None:
+    """Issue 19: a follower serves no API (no /metrics); the leader's target names its replica."""
+    inventory = json.loads(json.dumps(INVENTORY))
+    nodes = inventory["gpu-nodes"]["hosts"]
+    nodes["gpu-a"].update(vllm_fleet_replica="r1", vllm_fleet_replica_rank=0)
+    nodes["gpu-b"].update(vllm_fleet_replica="r1", vllm_fleet_replica_rank="1")
+    config = render(tmp_path, inventory)["config"]
+    assert targets(config)["vllm"] == {"10.0.0.11:8000": "gpu-a", "gpu-c:8000": "gpu-c"}
+    (leader,) = [
+        g for g in config["scrape_configs"][0]["static_configs"] if "10.0.0.11:8000" in g["targets"]
+    ]
+    assert leader["labels"] == {"node": "gpu-a", "replica": "r1"}

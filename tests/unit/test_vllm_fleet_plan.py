@@ -416,17 +416,20 @@ def test_a_replica_node_plans_the_route_to_its_leader(storage: Path) -> None:
     leader from become VLLM_HOST_IP and the NCCL/Gloo socket interfaces."""
     port = free_port()
     replica = {"replica_name": "r1", "replica_nodes": 2, "replica_leader": "127.0.0.1",
-               "replica_port": port}  # fmt: skip
+               "replica_port": port, "replica_leader_host": "node-a",
+               "replica_api_port": 8801}  # fmt: skip
     leader = run(args(storage, checkpoint_bytes=1, replica_rank=0, **replica))
     assert leader["problems"] == []
     assert leader["plan"]["replica"] == {
         "name": "r1", "nodes": 2, "rank": 0, "leader": "127.0.0.1", "leader_ip": "127.0.0.1",
-        "port": port, "host_ip": "127.0.0.1", "ifname": "lo",
+        "port": port, "watch_port": port + 1, "leader_host": "node-a", "api_port": 8801,
+        "host_ip": "127.0.0.1", "ifname": "lo",
         "env": {"VLLM_HOST_IP": "127.0.0.1", "NCCL_SOCKET_IFNAME": "lo",
                 "GLOO_SOCKET_IFNAME": "lo"},
     }  # fmt: skip
     # Each port under its own key: the service port's stays "port" (Molecule reads it).
-    assert (leader["checks"]["port"], leader["checks"]["rendezvous_port"]) == ("free", "free")
+    checks = leader["checks"]
+    assert (checks["port"], checks["rendezvous_port"], checks["watch_port"]) == ("free",) * 3
     follower = run(args(storage, checkpoint_bytes=1, replica_rank=1, **replica))
     assert follower["problems"] == [] and follower["plan"]["replica"]["rank"] == 1
     # The rendezvous port is checked on the leader only: taken, the leader says by whom.
@@ -436,6 +439,12 @@ def test_a_replica_node_plans_the_route_to_its_leader(storage: Path) -> None:
         problems = run(args(storage, checkpoint_bytes=1, replica_rank=0, **replica))["problems"]
         assert len(problems) == 1 and problems[0].startswith(f"rendezvous port {port} is in use")
         assert run(args(storage, checkpoint_bytes=1, replica_rank=1, **replica))["problems"] == []
+    # So is the watch port, the next one (followers hold a connection to it).
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port + 1))
+        taken.listen()
+        problems = run(args(storage, checkpoint_bytes=1, replica_rank=0, **replica))["problems"]
+        assert len(problems) == 1 and problems[0].startswith(f"watch port {port + 1} is in use")
 
 
 def test_replica_network_problems_are_listed_with_the_rest(storage: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -16,6 +17,8 @@ from ansible.template import Templar, trust_as_template
 
 ROOT = Path(__file__).resolve().parents[2]
 ROLE = ROOT / "roles/vllm_service"
+LAUNCHER = "/usr/local/lib/vllm-fleet/vllm_replica.py"
+LAUNCHER_SHA = hashlib.sha256((ROLE / "files/vllm_replica.py").read_bytes()).hexdigest()
 
 
 def _trust(data: Any) -> Any:
@@ -54,6 +57,8 @@ def render(loader: DataLoader, template: str, **overrides: Any) -> str:
     ):
         variables.update(_trust(loader.load_from_file(str(path))))
     variables.update({"inventory_hostname": "node1", "__vllm_service_limit_nofile": 20000})
+    # Where a role task looks up files/ (the launcher digest in the unit).
+    variables["ansible_search_path"] = [str(ROLE)]
     variables.update(overrides)
     text = (ROLE / "templates" / template).read_text()
     return Templar(loader=loader, variables=variables).template(trust_as_template(text))
@@ -220,3 +225,52 @@ def test_systemd_rates_the_unit_exposure_ok(loader: DataLoader, venv: Path, tmp_
         pytest.skip("this systemd-analyze has no --offline (systemd < 250)")
     score = float(result.stdout.rsplit("exposure level for", 1)[1].split(":")[1].split()[0])
     assert score <= 4.5, result.stdout
+
+
+def replica(rank: int) -> dict[str, Any]:
+    """A node's plan.replica as preflight's vllm_fleet_plan returns it."""
+    return {
+        "name": "r1", "nodes": 2, "rank": rank, "leader": "10.0.0.11",
+        "leader_ip": "10.0.0.11", "port": 29501, "watch_port": 29502, "leader_host": "gpu-a",
+        "api_port": 8000, "host_ip": f"10.0.0.1{rank + 1}", "ifname": "eth1",
+        "env": {"VLLM_HOST_IP": f"10.0.0.1{rank + 1}", "NCCL_SOCKET_IFNAME": "eth1",
+                "GLOO_SOCKET_IFNAME": "eth1"},
+    }  # fmt: skip
+
+
+def test_a_replica_leader_serves_and_a_follower_runs_headless(
+    loader: DataLoader, venv: Path
+) -> None:
+    """Issue 19: vLLM's own multi-node launch through the replica launcher."""
+    units = {
+        rank: render(
+            loader,
+            "vllm.service.j2",
+            vllm_fleet_plan={"tensor_parallel_size": 8, "replica": replica(rank)},
+            vllm_service_venv=str(venv),
+        )
+        for rank in (0, 1)
+    }
+    launch = "--nnodes 2 --node-rank {} --master-addr 10.0.0.11 --master-port 29501"
+    (leader,) = directive(units[0], "ExecStart")
+    assert leader.startswith(f"{venv}/bin/python {LAUNCHER} leader 10.0.0.11:29502 node1 -- ")
+    assert launch.format(0) in leader and "--port 8000" in leader
+    (follower,) = directive(units[1], "ExecStart")
+    assert follower.startswith(f"{venv}/bin/python {LAUNCHER} follower 10.0.0.11:29502 node1 -- ")
+    assert launch.format(1) in follower and "--tensor-parallel-size 8" in follower
+    # A follower serves no API.
+    assert "--port" not in follower and "--host" not in follower
+    for rank, unit in units.items():
+        env = directive(unit, "Environment")
+        assert f"VLLM_HOST_IP=10.0.0.1{rank + 1}" in env and "NCCL_SOCKET_IFNAME=eth1" in env
+        assert "GLOO_SOCKET_IFNAME=eth1" in env
+        # The launcher's digest is in the unit: a new launcher restarts the node.
+        assert f"{LAUNCHER} sha256 {LAUNCHER_SHA}" in unit
+        assert directive(unit, "Restart") == ["always"]
+    assert directive(units[1], "Description") == [
+        "vLLM follower (rank 1, headless) server for kimi-k2.5"
+    ]
+    # A node alone: the API server as before, no launcher.
+    alone = render(loader, "vllm.service.j2", vllm_service_venv=str(venv))
+    assert "-m vllm.entrypoints.openai.api_server" in directive(alone, "ExecStart")[0]
+    assert "nnodes" not in alone and LAUNCHER not in alone

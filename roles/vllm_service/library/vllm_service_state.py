@@ -67,6 +67,12 @@ options:
     description: The service account.
     type: str
     default: vllm
+  follower:
+    description:
+      - This node is a follower of a replica of several nodes - it serves no API, I(url) is its
+        leader's and is asked whatever listens on I(port) here.
+    type: bool
+    default: false
   health_timeout_s:
     description: Seconds to wait for the one C(/health) answer.
     type: float
@@ -164,7 +170,7 @@ http_status:
   returned: always
   type: int
 serving:
-  description: Whether the unit is active and C(/health) answered 200.
+  description: Whether the unit is active and C(/health) answered 200 (a follower's - its leader's).
   returned: always
   type: bool
 """
@@ -231,7 +237,9 @@ def gather(params: dict) -> dict:
     active = props["ActiveState"] == "active"
     with open("/proc/1/limits", encoding="ascii", errors="replace") as handle:
         limit = nofile_hard(handle.read())
-    status = health_status(params["url"], params["health_timeout_s"]) if lines else 0
+    # Nothing listening here: no server to ask, unless the URL is a leader's.
+    asked = lines or params["follower"]
+    status = health_status(params["url"], params["health_timeout_s"]) if asked else 0
     return {
         "unit_sha256": file_sha256(params["unit_path"]),
         "env_sha256": file_sha256(params["env_file"]),
@@ -269,6 +277,7 @@ def main() -> None:
             "release_dir": {"type": "path"},
             "user": {"type": "str", "default": "vllm"},
             "health_timeout_s": {"type": "float", "default": 5.0},
+            "follower": {"type": "bool", "default": False},
         },
         supports_check_mode=True,
     )
