@@ -159,6 +159,11 @@ REAL_FAILURES = {
     "unrecognized-argument": [
         "api_server.py: error: unrecognized arguments: --no-such-flag 1",
     ],
+    # A leader's journal when its follower was killed (the e2e replica test).
+    "replica-node-gone": [
+        "vllm-fleet replica: follower vf-e2e-svc2 (rank 1) is gone: exiting (75) so that the "
+        "replica restarts whole",
+    ],
 }
 
 
