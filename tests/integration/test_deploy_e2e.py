@@ -1283,6 +1283,11 @@ def test_one_replica_across_both_nodes_serves_and_restarts_whole(
 
     again = deploy(tmp_path, hub, replica)
     assert again.rc == 0 and again.changed_tasks() == [], again.changed_tasks()
+    # vllm-fleet status: the leader serves, the follower says whose it is.
+    states = cli(tmp_path, hub, replica, "status")[-1]["hosts"]
+    assert (states[leader]["health"], states[leader]["served_model"]) == ("ok", SERVED)
+    assert states[follower]["health"] == f"follower of {leader}", states[follower]
+    assert (states[follower]["unit"], states[follower]["endpoint"]) == ("active/running", "")
 
     before = {node: restarts(node) for node in (leader, follower)}
     killed = node_now(leader)

@@ -297,3 +297,26 @@ def test_rollback_refuses_a_replica_across_nodes_before_any_change(tmp_path: Pat
         "releases are recorded one by one, and must change together): r1 spans node-a, "
         "node-b. Nothing was changed.",
     )]  # fmt: skip
+
+
+def test_serve_alone_refuses_a_replica_node_without_its_plan(tmp_path: Path) -> None:
+    """playbooks/serve.yml run without preflight (service.yml and deploy.yml plan first):
+    a replica's node would start a server of its own; each node is refused by name."""
+    inventory = write_inventory(
+        tmp_path / "inventory",
+        {"vllm_fleet_tensor_parallel_size": 2, "vllm_fleet_replica": "r1"},
+        {"vllm_fleet_replica_rank": 1},
+    )
+    (inventory / "host_vars/node-a.yml").write_text(yaml.safe_dump({"vllm_fleet_replica_rank": 0}))
+    runner = run(tmp_path, inventory, ROOT / "playbooks/serve.yml")
+    assert runner.rc != 0
+    failed = [e["event_data"] for e in runner.events if e["event"] == "runner_on_failed"]
+    assert sorted((f["host"], f["task"]) for f in failed) == [
+        ("node-a", "Check that a replica's node has its plan"),
+        ("node-b", "Check that a replica's node has its plan"),
+    ]
+    assert failed[0]["res"]["msg"] == (
+        f"{failed[0]['host']} is in replica r1 but has no plan (vllm_fleet_plan): serve it "
+        "through deploy.yml or playbooks/service.yml, whose preflight plans each replica. "
+        "Nothing was changed."
+    )
