@@ -177,10 +177,13 @@ def _replica_name(hostvars: Mapping[str, Any], host: str) -> str:
     return str(hostvars[host].get("vllm_fleet_replica") or "")
 
 
-def replica_of(host: str, hostvars: Mapping[str, Any], hosts: Sequence[str]) -> dict[str, Any]:
-    """``host``'s replica among ``hosts``: name, node count, rank, leader, its address and
-    its API port (where followers wait for the replica's /health)."""
-    name = _replica_name(hostvars, host)
+def replica_of(
+    name: str, host: str, hostvars: Mapping[str, Any], hosts: Sequence[str]
+) -> dict[str, Any]:
+    """``host``'s replica ``name`` (its own vllm_fleet_replica) among ``hosts``: node count,
+    rank, leader, its address and its API port (where followers wait for the replica's
+    /health). A node in no replica reads no hostvars (each read merges a node's variables)."""
+    name = str(name or "")
     if not name:
         return {
             "name": "", "nodes": 1, "rank": 0, "leader": host, "leader_address": "",

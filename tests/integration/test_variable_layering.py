@@ -281,16 +281,22 @@ def test_a_leader_address_the_nodes_cannot_resolve_stops_every_node(tmp_path: Pa
                               "address 'leader.invalid'"), msg  # fmt: skip
 
 
-def test_rollback_refuses_a_replica_across_nodes_before_any_change(tmp_path: Path) -> None:
+def refused_replica(tmp_path: Path, playbook: Path) -> list[dict[str, Any]]:
+    """``playbook`` on node-a and node-b as replica r1 (tensor parallel 2, node-a leads),
+    which must fail; its failed results."""
     inventory = write_inventory(
         tmp_path / "inventory",
         {"vllm_fleet_tensor_parallel_size": 2, "vllm_fleet_replica": "r1"},
         {"vllm_fleet_replica_rank": 1},
     )
     (inventory / "host_vars/node-a.yml").write_text(yaml.safe_dump({"vllm_fleet_replica_rank": 0}))
-    runner = run(tmp_path, inventory, ROOT / "rollback.yml")
+    runner = run(tmp_path, inventory, playbook)
     assert runner.rc != 0
-    failed = [e["event_data"] for e in runner.events if e["event"] == "runner_on_failed"]
+    return [e["event_data"] for e in runner.events if e["event"] == "runner_on_failed"]
+
+
+def test_rollback_refuses_a_replica_across_nodes_before_any_change(tmp_path: Path) -> None:
+    failed = refused_replica(tmp_path, ROOT / "rollback.yml")
     assert [(f["task"], f["res"]["msg"]) for f in failed] == [(
         "Refuse replicas that span several nodes",
         "rollback.yml does not return a replica of several nodes to a release yet (its nodes' "
@@ -302,15 +308,7 @@ def test_rollback_refuses_a_replica_across_nodes_before_any_change(tmp_path: Pat
 def test_serve_alone_refuses_a_replica_node_without_its_plan(tmp_path: Path) -> None:
     """playbooks/serve.yml run without preflight (service.yml and deploy.yml plan first):
     a replica's node would start a server of its own; each node is refused by name."""
-    inventory = write_inventory(
-        tmp_path / "inventory",
-        {"vllm_fleet_tensor_parallel_size": 2, "vllm_fleet_replica": "r1"},
-        {"vllm_fleet_replica_rank": 1},
-    )
-    (inventory / "host_vars/node-a.yml").write_text(yaml.safe_dump({"vllm_fleet_replica_rank": 0}))
-    runner = run(tmp_path, inventory, ROOT / "playbooks/serve.yml")
-    assert runner.rc != 0
-    failed = [e["event_data"] for e in runner.events if e["event"] == "runner_on_failed"]
+    failed = refused_replica(tmp_path, ROOT / "playbooks/serve.yml")
     assert sorted((f["host"], f["task"]) for f in failed) == [
         ("node-a", "Check that a replica's node has its plan"),
         ("node-b", "Check that a replica's node has its plan"),

@@ -115,20 +115,35 @@ def test_a_node_finds_its_replica_and_the_leader_address_in_the_inventory() -> N
         "c": {},
     }  # fmt: skip
     hosts = ["a", "b", "c"]
-    assert topology.replica_of("a", hostvars, hosts) == {
+    assert topology.replica_of(hostvars["a"].get("vllm_fleet_replica"), "a", hostvars, hosts) == {
         "name": "r1", "nodes": 2, "rank": 1, "leader": "b", "leader_address": "10.0.0.2",
         "leader_api_port": 8000, "leader_port": 0,
     }  # fmt: skip
     # The leader's own vllm_fleet_replica_address wins over its ansible_host.
     hostvars["b"]["vllm_fleet_replica_address"] = "192.168.7.2"
-    assert topology.replica_of("b", hostvars, hosts)["leader_address"] == "192.168.7.2"
+    assert (
+        topology.replica_of(hostvars["b"].get("vllm_fleet_replica"), "b", hostvars, hosts)[
+            "leader_address"
+        ]
+        == "192.168.7.2"
+    )
     # Followers wait on the leader's own API port.
     hostvars["b"]["vllm_service_port"] = "8802"
-    assert topology.replica_of("a", hostvars, hosts)["leader_api_port"] == 8802
+    assert (
+        topology.replica_of(hostvars["a"].get("vllm_fleet_replica"), "a", hostvars, hosts)[
+            "leader_api_port"
+        ]
+        == 8802
+    )
     # And at the leader's rendezvous port.
     hostvars["b"]["vllm_fleet_replica_port"] = 29531
-    assert topology.replica_of("a", hostvars, hosts)["leader_port"] == 29531
-    assert topology.replica_of("c", hostvars, hosts) == {
+    assert (
+        topology.replica_of(hostvars["a"].get("vllm_fleet_replica"), "a", hostvars, hosts)[
+            "leader_port"
+        ]
+        == 29531
+    )
+    assert topology.replica_of(hostvars["c"].get("vllm_fleet_replica"), "c", hostvars, hosts) == {
         "name": "", "nodes": 1, "rank": 0, "leader": "c", "leader_address": "",
         "leader_api_port": 0, "leader_port": 0,
     }  # fmt: skip
