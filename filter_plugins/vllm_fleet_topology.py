@@ -229,12 +229,79 @@ def replica_disagreements(hosts: Sequence[str], hostvars: Mapping[str, Any]) -> 
     return problems
 
 
+def _spans(replica: Mapping[str, Any] | None) -> bool:
+    """Whether a recorded replica (a release's, the plan's) has several nodes."""
+    return bool(replica) and int(replica.get("nodes") or 1) > 1
+
+
+def _shape(release: Mapping[str, Any]) -> str:
+    """A release's place in a replica, in words (``release``: id and replica)."""
+    replica = release.get("replica") or {}
+    if not _spans(replica):
+        return f"release {release.get('id') or 'none'} (alone)"
+    return (
+        f"release {release.get('id')} (rank {replica.get('rank')} of replica "
+        f"{replica.get('name')}: {replica.get('nodes')} nodes led by {replica.get('leader_host')})"
+    )
+
+
+def _rollback_member_problems(member: Mapping[str, Any]) -> list[str]:
+    problems = []
+    for verb, key in (("runs", "now"), ("returns to", "to")):
+        release = member.get(key) or {}
+        recorded = release.get("replica") or {}
+        if _spans(recorded) and recorded.get("name") != (member.get("replica") or ""):
+            place = (
+                f"puts it in replica {member['replica']}"
+                if member.get("replica")
+                else "has it alone"
+            )
+            problems.append(
+                f"{member['host']} {verb} {_shape(release)}, but the inventory {place}: declare "
+                f"replica {recorded.get('name')} again (vllm_fleet_replica, "
+                "vllm_fleet_replica_rank) so that its nodes change together"
+            )
+    return problems
+
+
+def rollback_problems(members: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Every reason rollback.yml cannot return the replicas of ``members`` whole.
+
+    ``members``: per node of the run, ``host``, ``replica`` (the inventory's
+    vllm_fleet_replica), and the releases it runs (``now``) and returns to
+    (``to``), each ``id`` and ``replica`` (its plan's replica, empty: alone).
+    A replica's nodes return together, to releases of one shape: all alone, or
+    all of the one replica the inventory declares, with all its nodes.
+    """
+    problems = [p for member in members for p in _rollback_member_problems(member)]
+    named = _by_replica([member for member in members if member.get("replica")])
+    for name, nodes in sorted(named.items()):
+        targets = [(m["host"], (m.get("to") or {}).get("replica") or {}) for m in nodes]
+        shapes = {
+            (r.get("name"), r.get("nodes"), r.get("leader_host")) if _spans(r) else None
+            for _, r in targets
+        }
+        found = ", ".join(f"{m['host']}: {_shape(m.get('to') or {})}" for m in nodes)
+        if len(shapes) > 1:
+            problems.append(
+                f"replica {name}: its nodes return to releases of different shapes ({found})"
+            )
+        elif _spans(targets[0][1]) and int(targets[0][1]["nodes"]) != len(nodes):
+            problems.append(
+                f"replica {name}: its {len(nodes)} nodes return to releases of a replica of "
+                f"{targets[0][1]['nodes']} nodes ({found})"
+            )
+    return problems
+
+
 def _rollout_units(hosts: Sequence[str], hostvars: Mapping[str, Any]) -> list[list[str]]:
-    """``hosts`` as rollout units: a replica's nodes together, in its first node's place."""
+    """``hosts`` as rollout units: a replica's nodes together, in its first node's place
+    (the plan's replica; without a plan, as in rollback.yml, the inventory's)."""
     units: dict[str, list[str]] = {}
     for host in hosts:
         replica = (hostvars[host].get("vllm_fleet_plan") or {}).get("replica") or {}
-        units.setdefault(replica.get("name") or f"node {host}", []).append(host)
+        name = replica.get("name") or _replica_name(hostvars, host)
+        units.setdefault(name or f"node {host}", []).append(host)
     return list(units.values())
 
 
@@ -281,7 +348,8 @@ def rollout_serial(
 
 class FilterModule:
     """vllm_fleet_replicas, vllm_fleet_replica_problems, vllm_fleet_replica_of,
-    vllm_fleet_replica_disagreements, vllm_fleet_rollout_hosts, vllm_fleet_rollout_serial."""
+    vllm_fleet_replica_disagreements, vllm_fleet_rollback_problems, vllm_fleet_rollout_hosts,
+    vllm_fleet_rollout_serial."""
 
     def filters(self) -> dict[str, Any]:
         return {
@@ -289,6 +357,7 @@ class FilterModule:
             "vllm_fleet_replica_problems": replica_problems,
             "vllm_fleet_replica_of": replica_of,
             "vllm_fleet_replica_disagreements": replica_disagreements,
+            "vllm_fleet_rollback_problems": rollback_problems,
             "vllm_fleet_rollout_hosts": rollout_hosts,
             "vllm_fleet_rollout_serial": rollout_serial,
         }

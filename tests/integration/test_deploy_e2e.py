@@ -168,6 +168,17 @@ class Run:
             if e["event"] == "playbook_on_play_start" and e["event_data"].get("play") == play
         )
 
+    def batch_hosts(self, play: str) -> list[set[str]]:
+        """The hosts of each batch of the named play, in order."""
+        batches: list[set[str]] = []
+        for e in self.events:
+            data = e.get("event_data", {})
+            if e["event"] == "playbook_on_play_start" and data.get("play") == play:
+                batches.append(set())
+            elif e["event"] == "runner_on_start" and data.get("play") == play:
+                batches[-1].add(data["host"])
+        return batches
+
     def fact_values(self, name: str) -> dict[str, Any]:
         """The value each host's set_fact gave the named fact in this run."""
         return {
@@ -1304,6 +1315,112 @@ def test_one_replica_across_both_nodes_serves_and_restarts_whole(
     gone = journal(leader, killed)
     assert f"follower {follower} (rank 1) is gone" in gone, gone[-3000:]
     MEASURED["replica_restart"] = [line for line in gone.splitlines() if "replica:" in line]
+
+
+ROLLBACK_PLAY = "Roll back node by node"
+
+
+def launched(node: str) -> list[str]:
+    """The arguments of the node's vLLM process, after the interpreter."""
+    return node_sh(node, "cat", f"/proc/{unit_state(node)['MainPID']}/cmdline").split("\0")[1:]
+
+
+def test_rollback_returns_a_replica_whole_and_refuses_to_split_one(
+    deployed: Run, hub: HubServer, inventory: Path, tmp_path: Path
+) -> None:
+    """The replica above (r1: TP 2 across both nodes) rolls back to the two single
+    servers it replaced in one batch (both stop, then both start) and both join the
+    router; rollback.yml with an inventory that no longer declares r1 is refused,
+    changing nothing; rolled back again, the nodes form r1 again."""
+    assert deployed.rc == 0, deployed.failed_msgs()
+    replica, leader, follower = replica_inventory(inventory, tmp_path / "inventory")
+    assert launched(follower)[:2] == [LAUNCHER, "follower"], "needs the replica test above"
+
+    apart = play(tmp_path, hub, replica, "rollback.yml", rollback_confirm="yes")
+    assert apart.rc == 0, apart.failed_msgs() or apart.stdout[-3000:]
+    assert (apart.play_hosts(ROLLBACK_PLAY), apart.batches(ROLLBACK_PLAY)) == (
+        {leader, follower},
+        1,
+    )
+    for node in (leader, follower):
+        assert launched(node)[:2] == ["-m", "vllm.entrypoints.openai.api_server"], node
+        serving(node)
+    assert router_workers() == {worker_url(node): True for node in (leader, follower)}
+    assert complete_via_router() == 200
+
+    # The nodes' previous releases are r1's: an inventory without r1 cannot
+    # return them (each node would come back alone, a follower without its leader).
+    pids = {node: unit_state(node)["MainPID"] for node in (leader, follower)}
+    refused = play(tmp_path, hub, inventory, "rollback.yml", rollback_confirm="yes")
+    assert refused.rc != 0
+    msg = refused.failed_msgs()
+    assert msg.startswith("rollback.yml cannot return these nodes: (1) "), msg
+    for node, rank in ((leader, 0), (follower, 1)):
+        assert re.search(
+            rf"{node} returns to release \S+ \(rank {rank} of replica r1: 2 nodes led by "
+            rf"{leader}\), but the inventory has it alone: declare replica r1 again",
+            msg,
+        ), msg
+    assert msg.endswith("Nothing was changed."), msg
+    assert {node: unit_state(node)["MainPID"] for node in (leader, follower)} == pids
+
+    since = node_now(follower)
+    together = play(tmp_path, hub, replica, "rollback.yml", rollback_confirm="yes")
+    assert together.rc == 0, together.failed_msgs() or together.stdout[-3000:]
+    assert together.batches(ROLLBACK_PLAY) == 1
+    assert launched(follower)[:2] == [LAUNCHER, "follower"]
+    serving(leader)
+    assert "TP rank 1" in journal(follower, since)
+    assert list(router_workers()) == [worker_url(leader)]
+    MEASURED["replica_rollback_s"] = {
+        "apart": round(apart.wall_s, 1),
+        "refused": round(refused.wall_s, 1),
+        "together": round(together.wall_s, 1),
+    }
+
+
+def started(node: str) -> str:
+    """When the node's vLLM process started: microseconds of the host kernel's
+    monotonic clock, which the containers share."""
+    return node_sh(
+        node, "systemctl", "show", "--value", "--property=ExecMainStartTimestampMonotonic", UNIT
+    ).strip()
+
+
+def test_a_rolling_update_of_a_mixed_fleet_restarts_the_replica_whole(
+    deployed: Run, hub: HubServer, inventory: Path, tmp_path: Path
+) -> None:
+    """Replica r1 (both nodes, as left above) beside a third node serving alone: a
+    change to all three restarts r1's two nodes together in the first batch, then
+    the single node in the next; the router holds r1's leader and the third node."""
+    assert deployed.rc == 0, deployed.failed_msgs()
+    fleet_mod.up(3, prefix=PREFIX)  # keeps the two nodes, boots a third
+    replica, leader, follower = replica_inventory(inventory, tmp_path / "inventory")
+    third = fleet_mod.node_names(3, PREFIX)[2]
+    hosts = yaml.safe_load((replica / "hosts.yml").read_text())
+    nodes = hosts["gpu-nodes"]["hosts"]
+    spec = fleet_mod.inventory(3, PREFIX)["gpu-nodes"]["hosts"][third]
+    nodes[third] = {**spec, "vllm_service_port": spec["vllm_service_port"] + PORT_OFFSET}
+    nodes[third]["vllm_service_env"] = {"TORCHDYNAMO_DISABLE": "1"}
+    (replica / "hosts.yml").write_text(yaml.safe_dump(hosts, sort_keys=False))
+    joined = deploy(tmp_path, hub, replica)
+    assert joined.rc == 0, joined.failed_msgs() or joined.stdout[-3000:]
+    # Only the new node differed: r1 was left alone.
+    assert joined.batch_hosts(ROLLING_PLAY) == [{third}]
+
+    for node in nodes.values():
+        node["vllm_service_env"] = {"TORCHDYNAMO_DISABLE": "1", "VLLM_FLEET_E2E_ROLL": "1"}
+    (replica / "hosts.yml").write_text(yaml.safe_dump(hosts, sort_keys=False))
+    rolled = deploy(tmp_path, hub, replica)
+    assert rolled.rc == 0, rolled.failed_msgs() or rolled.stdout[-3000:]
+    assert rolled.batch_hosts(ROLLING_PLAY) == [{leader, follower}, {third}]
+    assert max(int(started(n)) for n in (leader, follower)) < int(started(third))
+    serving(leader)
+    port = nodes[third]["vllm_service_port"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as resp:
+        assert resp.status == 200
+    assert router_workers() == {worker_url(leader): True, f"http://127.0.0.1:{port}": True}
+    MEASURED["mixed_rollout_s"] = {"join": round(joined.wall_s, 1), "roll": round(rolled.wall_s, 1)}
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -295,16 +295,6 @@ def refused_replica(tmp_path: Path, playbook: Path) -> list[dict[str, Any]]:
     return [e["event_data"] for e in runner.events if e["event"] == "runner_on_failed"]
 
 
-def test_rollback_refuses_a_replica_across_nodes_before_any_change(tmp_path: Path) -> None:
-    failed = refused_replica(tmp_path, ROOT / "rollback.yml")
-    assert [(f["task"], f["res"]["msg"]) for f in failed] == [(
-        "Refuse replicas that span several nodes",
-        "rollback.yml does not return a replica of several nodes to a release yet (its nodes' "
-        "releases are recorded one by one, and must change together): r1 spans node-a, "
-        "node-b. Nothing was changed.",
-    )]  # fmt: skip
-
-
 def test_serve_alone_refuses_a_replica_node_without_its_plan(tmp_path: Path) -> None:
     """playbooks/serve.yml run without preflight (service.yml and deploy.yml plan first):
     a replica's node would start a server of its own; each node is refused by name."""

@@ -202,3 +202,63 @@ def test_a_fleet_of_single_nodes_rolls_as_before() -> None:
     assert topology.rollout_hosts(idle, hostvars) == ["b1", "b2", "a", "c"]
     assert topology.rollout_serial(idle, hostvars, 1) == [3, 1]
     assert topology.rollout_hosts({}, hostvars) == []
+
+
+def test_without_a_plan_the_rolling_path_reads_the_inventory_replica() -> None:
+    """rollback.yml plans nothing: its batches come from vllm_fleet_replica."""
+    hostvars = {"a": {"vllm_fleet_replica": ""}, "b1": {"vllm_fleet_replica": "r1"},
+                "c": {}, "b2": {"vllm_fleet_replica": "r1"}}  # fmt: skip
+    groups = {"vllm_fleet_rollout_live": ["a", "b1", "c", "b2"]}
+    assert topology.rollout_hosts(groups, hostvars) == ["a", "b1", "b2", "c"]
+    assert topology.rollout_serial(groups, hostvars, 1) == [1, 2, 1]
+
+
+def released(
+    release_id: str, name: str = "", rank: int = 0, nodes: int = 2, leader: str = "a"
+) -> dict[str, Any]:
+    replica = {"name": name, "nodes": nodes, "rank": rank, "leader_host": leader} if name else {}
+    return {"id": release_id, "replica": replica}
+
+
+def rolled(host: str, replica: str, now: dict[str, Any], to: dict[str, Any]) -> dict[str, Any]:
+    return {"host": host, "replica": replica, "now": now, "to": to}
+
+
+def test_a_replica_returns_whole_to_one_shape() -> None:
+    # Back from replica r1 to two single nodes, and from there to r1 again.
+    apart = [rolled("a", "r1", released("A2", "r1", 0), released("A1")),
+             rolled("b", "r1", released("B2", "r1", 1), released("B1"))]  # fmt: skip
+    together = [rolled("a", "r1", released("A1"), released("A2", "r1", 0)),
+                rolled("b", "r1", released("B1"), released("B2", "r1", 1))]  # fmt: skip
+    alone = [rolled("c", "", released("C2"), released("C1"))]
+    assert topology.rollback_problems(apart + alone) == []
+    assert topology.rollback_problems(together + alone) == []
+
+
+def test_a_replica_that_would_not_return_whole_is_refused_naming_each_node() -> None:
+    # r1's nodes return to releases of different shapes.
+    mixed = [rolled("a", "r1", released("A2", "r1", 0), released("A1", "r1", 0)),
+             rolled("b", "r1", released("B2", "r1", 1), released("B1"))]  # fmt: skip
+    assert topology.rollback_problems(mixed) == [
+        "replica r1: its nodes return to releases of different shapes (a: release A1 (rank 0 "
+        "of replica r1: 2 nodes led by a), b: release B1 (alone))"
+    ]
+    # The inventory no longer declares the replica the nodes run, or return to.
+    undeclared = [rolled("a", "", released("A2", "r1", 0), released("A1")),
+                  rolled("b", "", released("B1"), released("B0", "r1", 1))]  # fmt: skip
+    assert topology.rollback_problems(undeclared) == [
+        "a runs release A2 (rank 0 of replica r1: 2 nodes led by a), but the inventory has it "
+        "alone: declare replica r1 again (vllm_fleet_replica, vllm_fleet_replica_rank) so that "
+        "its nodes change together",
+        "b returns to release B0 (rank 1 of replica r1: 2 nodes led by a), but the inventory "
+        "has it alone: declare replica r1 again (vllm_fleet_replica, vllm_fleet_replica_rank) "
+        "so that its nodes change together",
+    ]
+    # A replica of three recorded, two declared now.
+    shrunk = [rolled("a", "r1", released("A2", "r1", 0), released("A1", "r1", 0, 3)),
+              rolled("b", "r1", released("B2", "r1", 1), released("B1", "r1", 1, 3))]  # fmt: skip
+    assert topology.rollback_problems(shrunk) == [
+        "replica r1: its 2 nodes return to releases of a replica of 3 nodes (a: release A1 "
+        "(rank 0 of replica r1: 3 nodes led by a), b: release B1 (rank 1 of replica r1: 3 "
+        "nodes led by a))"
+    ]
