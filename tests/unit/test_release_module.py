@@ -219,6 +219,22 @@ def test_query_not_required_returns_not_found(tmp_path: Path) -> None:
     assert result["found"] is False and result["id"] == "" and result["releases"] == []
 
 
+def test_query_returns_each_release_place_in_a_replica(node: dict[str, Path]) -> None:
+    place = {"name": "r1", "rank": 1, "nodes": 2, "leader_host": "node-1", "api_port": 8001}
+    alone = record(node, info={"deploy_vars": {"port": 8001, "replica": {}}})["id"]
+    node["unit"].write_text(UNIT.replace("8001", "8002"))
+    joined = record(node, info={"deploy_vars": {"port": 8001, "replica": place}})["id"]
+    back = run({"path": str(node["root"]), "release": "previous"})
+    assert back["id"] == alone and back["replica"] == {} and back["current_replica"] == place
+    now = run({"path": str(node["root"]), "release": "current"})
+    assert now["id"] == joined and now["replica"] == place == now["current_replica"]
+    # A release recorded before replicas were (no replica key) reads as alone.
+    (node["root"] / joined / "release.json").write_text(
+        json.dumps({**now["release"], "info": {"deploy_vars": {"port": 8001}}})
+    )
+    assert run({"path": str(node["root"]), "release": "current"})["replica"] == {}
+
+
 def test_bad_release_names_fail(node: dict[str, Path]) -> None:
     record(node)
     assert "neither an id" in run_fail({"path": str(node["root"]), "release": "../etc"})

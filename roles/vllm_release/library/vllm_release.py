@@ -217,6 +217,20 @@ release:
         stored: vllm-tiny-kimi.service
         sha256: 5e6f...
         mode: "0644"
+replica:
+  description: >-
+    The found release's place in a replica of several nodes (C(name), C(rank),
+    C(nodes), C(leader_host), ...: C(info.deploy_vars.replica) as role
+    vllm_release records it); empty for a node alone or a release recorded
+    before replicas were.
+  returned: when a release was found with state query, selected or restored
+  type: dict
+  sample: {name: r1, rank: 1, nodes: 2, leader_host: node-1, api_port: 8000}
+current_replica:
+  description: The same for the C(current) release (what the node runs now); empty when none.
+  returned: when a release was found with state query, selected or restored
+  type: dict
+  sample: {}
 digest:
   description: With O(state=recorded), the digest of the node's state (files and metadata).
   returned: when state is recorded
@@ -516,6 +530,13 @@ def load_release(root: str, release_id: str) -> dict[str, Any]:
     return data
 
 
+def release_replica(release: dict[str, Any]) -> dict[str, Any]:
+    """The release's place in a replica of several nodes (role vllm_release records
+    it in info.deploy_vars.replica); {} for a node alone or a release from before."""
+    deploy_vars = (release.get("info") or {}).get("deploy_vars") or {}
+    return deploy_vars.get("replica") or {}
+
+
 def resolve(root: str, ref: str) -> str:
     """A pointer name or an id -> a recorded release id, or '' when there is none."""
     if ref in POINTERS:
@@ -667,11 +688,15 @@ def lookup(params: dict[str, Any]) -> dict[str, Any]:
         if params["required"]:
             raise ReleaseError(not_found_message(root, params["release"], result))
         return result
+    release = load_release(root, release_id)
+    current = result["current"]
     result.update(
         found=True,
         id=release_id,
-        release=load_release(root, release_id),
+        release=release,
         release_dir=os.path.join(root, release_id),
+        replica=release_replica(release),
+        current_replica=release_replica(load_release(root, current)) if current else {},
     )
     return result
 
