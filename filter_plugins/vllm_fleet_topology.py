@@ -27,6 +27,7 @@ SHARED = (
     "vllm_fleet_vllm_version",
     "vllm_fleet_tensor_parallel_size",
     "vllm_fleet_pipeline_parallel_size",
+    "vllm_fleet_executor",
 )
 
 
@@ -168,6 +169,7 @@ LEADER = {
     "leader address": "leader_ip",
     "leader port": "port",
     "leader API port": "api_port",
+    "executor": "executor",
 }
 # vllm_service's default port, for a leader whose inventory sets none.
 DEFAULT_API_PORT = 8000

@@ -124,6 +124,17 @@ options:
         followers wait on the leader's C(/health) there.
     type: int
     default: 8000
+  replica_executor:
+    description:
+      - How a replica of several nodes runs its engine across them, passed through to
+        RV(plan.replica). V(mp) is vLLM's own launcher (C(--nnodes), C(--node-rank), followers
+        headless). V(ray) runs a Ray head on the leader (its Ray port is the rendezvous port)
+        and a Ray worker on each follower, and the leader's API server uses
+        C(--distributed-executor-backend ray); refused on the CPU device, whose vLLM platform
+        has no Ray device key (vLLM raises C(current platform cpu does not support ray)).
+    type: str
+    choices: [mp, ray]
+    default: mp
   storage_root:
     description: The shared storage root every node mounts.
     type: path
@@ -260,8 +271,8 @@ plan:
           node's rank, the leader's address and resolved IP, the rendezvous port and the next one
           (the watch port, where each follower holds a connection to its leader), the leader's
           inventory name and API port, the address and interface this node reaches the leader
-          from, and the environment the engine needs for that (C(VLLM_HOST_IP),
-          C(NCCL_SOCKET_IFNAME), C(GLOO_SOCKET_IFNAME)).
+          from, the executor (O(replica_executor)), and the environment the engine needs for
+          that (C(VLLM_HOST_IP), C(NCCL_SOCKET_IFNAME), C(GLOO_SOCKET_IFNAME)).
       type: dict
       sample:
         name: r1
@@ -273,6 +284,7 @@ plan:
         watch_port: 29502
         leader_host: gpu-a
         api_port: 8000
+        executor: mp
         host_ip: 10.0.0.12
         ifname: eth0
         env: {VLLM_HOST_IP: 10.0.0.12, NCCL_SOCKET_IFNAME: eth0, GLOO_SOCKET_IFNAME: eth0}
@@ -543,14 +555,21 @@ def replica_plan(module: AnsibleModule, checks: dict) -> tuple[dict, list[str]]:
     except (OSError, ValueError) as exc:
         return {}, [f"{where}: cannot list this node's addresses: {exc}"]
     problems = [] if ifname else [f"{where}: no interface holds {host_ip}, the address to {leader}"]
+    if p["replica_executor"] == "ray" and p["device"] == "cpu":
+        # vllm/v1/executor/ray_utils.py: the CPU platform's ray_device_key is empty.
+        problems.append(
+            f"{where}: the ray executor does not run on the cpu device (vLLM: 'current platform "
+            "cpu does not support ray'); set vllm_fleet_executor: mp, vLLM's own multi-node launch"
+        )
     if rank == 0 and host_ip != leader_ip:
         problems.append(
             f"{where}: this node leads, but the leader address {leader} ({leader_ip}) is not "
             f"one of its own (it reaches {leader_ip} from {host_ip})"
         )
     elif rank == 0:
+        label = "Ray port" if p["replica_executor"] == "ray" else "rendezvous port"
         problems += port_problems(
-            module, port, p["service_unit"], checks, "rendezvous port", leader_ip, "rendezvous_port"
+            module, port, p["service_unit"], checks, label, leader_ip, "rendezvous_port"
         )
         problems += port_problems(
             module, port + 1, p["service_unit"], checks, "watch port", leader_ip, "watch_port"
@@ -564,6 +583,7 @@ def replica_plan(module: AnsibleModule, checks: dict) -> tuple[dict, list[str]]:
         "watch_port": port + 1,
         "leader_host": p["replica_leader_host"],
         "api_port": p["replica_api_port"],
+        "executor": p["replica_executor"],
     }
     here = {"host_ip": host_ip, "ifname": ifname, "env": env}
     return {"name": name, "nodes": p["replica_nodes"], "rank": rank, **where_to, **here}, problems
@@ -786,6 +806,7 @@ def main() -> None:
             "replica_port": {"type": "int", "default": 29501},
             "replica_leader_host": {"type": "str", "default": ""},
             "replica_api_port": {"type": "int", "default": 8000},
+            "replica_executor": {"type": "str", "choices": ["mp", "ray"], "default": "mp"},
             "storage_root": {"type": "path", "required": True},
             "storage_must_be_mount": {"type": "bool", "default": True},
             "gpu_memory_utilization": {"type": "float", "default": 0.9},

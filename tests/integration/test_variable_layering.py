@@ -239,7 +239,7 @@ def test_a_replica_across_nodes_is_planned_for_each_node(tmp_path: Path) -> None
         assert {k: v for k, v in replica.items() if k not in ("env", "api_port")} == {
             "name": "r1", "nodes": 2, "rank": rank, "leader": "127.0.0.1",
             "leader_ip": "127.0.0.1", "port": port, "watch_port": port + 1,
-            "leader_host": "node-a", "host_ip": "127.0.0.1", "ifname": "lo",
+            "leader_host": "node-a", "host_ip": "127.0.0.1", "ifname": "lo", "executor": "mp",
         }  # fmt: skip
         assert replica["env"] == {
             "VLLM_HOST_IP": "127.0.0.1", "NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo"
@@ -279,6 +279,29 @@ def test_a_leader_address_the_nodes_cannot_resolve_stops_every_node(tmp_path: Pa
         assert msg.startswith(f"Preflight found 1 problem(s) on {host}, nothing was changed: (1) "
                               f"replica r1 (rank {rank} of 2): cannot resolve the leader's "
                               "address 'leader.invalid'"), msg  # fmt: skip
+
+
+def test_the_ray_executor_on_cpu_nodes_is_refused_before_any_change(tmp_path: Path) -> None:
+    """vllm_fleet_executor: ray from the inventory (group_vars): preflight stops
+    each node of the replica with vLLM's own reason and the way out."""
+    ray = {"vllm_fleet_executor": "ray"}
+    events = plan_replica(
+        tmp_path, {"vllm_fleet_replica_address": "127.0.0.1", "port": free_port(), **ray}, ray
+    )
+    failed = failures(events)
+    assert list(failed) == ["Fail with every problem found"]
+    for host, msg in failed["Fail with every problem found"]:
+        rank = 0 if host == "node-a" else 1
+        assert msg == (
+            f"Preflight found 1 problem(s) on {host}, nothing was changed: (1) replica r1 "
+            f"(rank {rank} of 2): the ray executor does not run on the cpu device (vLLM: "
+            "'current platform cpu does not support ray'); set vllm_fleet_executor: mp, vLLM's "
+            "own multi-node launch."
+        ), msg
+    assert sorted(host for host, _ in failed["Fail with every problem found"]) == [
+        "node-a",
+        "node-b",
+    ]
 
 
 def refused_replica(tmp_path: Path, playbook: Path) -> list[dict[str, Any]]:

@@ -25,6 +25,7 @@ def member(host: str, replica: str = "", rank: Any = None, **values: Any) -> dic
         "vllm_fleet_vllm_version": "0.16.0",
         "vllm_fleet_tensor_parallel_size": 8,
         "vllm_fleet_pipeline_parallel_size": 2,
+        "vllm_fleet_executor": "mp",
     }
     return {"host": host, "replica": replica, "rank": rank, **shared, **values}
 
@@ -45,7 +46,7 @@ def test_every_problem_is_listed_at_once() -> None:
         member("e", "r2"),
         member("f", "bad name", 0),
         member("g", "r3", 0, vllm_fleet_vllm_version="0.17.0"),
-        member("h", "r3", 1),
+        member("h", "r3", 1, vllm_fleet_executor="ray"),
     ]
     inventory = {m["host"]: m["replica"] for m in members} | {"i": "r3"}
     assert topology.replica_problems(members, inventory) == [
@@ -58,6 +59,7 @@ def test_every_problem_is_listed_at_once() -> None:
         "3 nodes (each node runs the same number of ranks)",
         "replica r3: i not in this run (-l); a replica's nodes change together",
         "replica r3: its nodes differ in vllm_fleet_vllm_version (g: 0.17.0, h: 0.16.0)",
+        "replica r3: its nodes differ in vllm_fleet_executor (g: mp, h: ray)",
     ]
 
 
@@ -162,6 +164,13 @@ def test_the_nodes_of_a_replica_must_plan_alike() -> None:
     assert topology.replica_disagreements(["a", "b", "c"], hostvars) == [
         "replica r1: its nodes plan different kv_cache_quant (a: absent, b: original)",
         "replica r1: its nodes plan different leader address (a: 10.0.0.1, b: 10.0.0.9)",
+    ]
+    # One node on Ray, the other on vLLM's own launch: they would never meet.
+    hostvars["b"] = plan("absent", "10.0.0.1")
+    hostvars["b"]["vllm_fleet_plan"]["replica"]["executor"] = "ray"
+    hostvars["a"]["vllm_fleet_plan"]["replica"]["executor"] = "mp"
+    assert topology.replica_disagreements(["a", "b", "c"], hostvars) == [
+        "replica r1: its nodes plan different executor (a: mp, b: ray)",
     ]
 
 

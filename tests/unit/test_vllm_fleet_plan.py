@@ -423,7 +423,7 @@ def test_a_replica_node_plans_the_route_to_its_leader(storage: Path) -> None:
     assert leader["plan"]["replica"] == {
         "name": "r1", "nodes": 2, "rank": 0, "leader": "127.0.0.1", "leader_ip": "127.0.0.1",
         "port": port, "watch_port": port + 1, "leader_host": "node-a", "api_port": 8801,
-        "host_ip": "127.0.0.1", "ifname": "lo",
+        "executor": "mp", "host_ip": "127.0.0.1", "ifname": "lo",
         "env": {"VLLM_HOST_IP": "127.0.0.1", "NCCL_SOCKET_IFNAME": "lo",
                 "GLOO_SOCKET_IFNAME": "lo"},
     }  # fmt: skip
@@ -471,6 +471,31 @@ def test_replica_network_problems_are_listed_with_the_rest(storage: Path) -> Non
     assert "replica rank 2 must be in 0..1" in fail(
         args(storage, checkpoint_bytes=1, replica_rank=2, replica_leader="127.0.0.1", **replica)
     )
+
+
+def test_the_ray_executor_is_planned_on_gpus_and_refused_on_the_cpu(storage: Path) -> None:
+    port = free_port()
+    replica = {"replica_name": "r1", "replica_nodes": 2, "replica_leader": "127.0.0.1",
+               "replica_port": port, "replica_executor": "ray"}  # fmt: skip
+    gpus = run(args(storage, checkpoint_bytes=1, **replica))
+    assert gpus["problems"] == [] and gpus["plan"]["replica"]["executor"] == "ray"
+    # The head's port is the rendezvous port, checked on the leader under its Ray name.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        (problem,) = run(args(storage, checkpoint_bytes=1, **replica))["problems"]
+        assert problem.startswith(f"Ray port {port} is in use")
+    cpu = run(args(storage, device="cpu", gpu={}, tensor_parallel_size=1,
+                   pipeline_parallel_size=2, checkpoint_bytes=1, **replica))  # fmt: skip
+    assert cpu["problems"] == [
+        "replica r1 (rank 0 of 2): the ray executor does not run on the cpu device (vLLM: "
+        "'current platform cpu does not support ray'); set vllm_fleet_executor: mp, vLLM's own "
+        "multi-node launch"
+    ]
+    replica["replica_executor"] = "mp"
+    mp = run(args(storage, device="cpu", gpu={}, tensor_parallel_size=1,
+                  pipeline_parallel_size=2, checkpoint_bytes=1, **replica))  # fmt: skip
+    assert mp["problems"] == []
 
 
 def test_each_replica_node_needs_only_its_share_of_the_gpus(storage: Path) -> None:

@@ -98,3 +98,101 @@ def test_wrong_usage_prints_the_usage() -> None:
         capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert done.returncode == 1 and "vllm_replica.py follower LEADER_IP:WATCH_PORT" in done.stderr
+
+
+# Stands in for Ray's CLI (ray start) where the launcher looks for it, beside the
+# interpreter: it records its arguments; a "head" listens on its --port, a
+# "worker" holds a connection to its --address; both until killed or cut off.
+RAY_STAND_IN = """#!{python}
+import socket, sys, time
+args = sys.argv[1:]
+with open({log!r}, "a") as log:
+    log.write(" ".join(args) + "\\n")
+if "--head" in args:
+    server = socket.create_server(("127.0.0.1", int(args[args.index("--port") + 1])))
+    while True:
+        server.accept()
+host, port = args[args.index("--address") + 1].rsplit(":", 1)
+conn = socket.create_connection((host, int(port)))
+while conn.recv(64):
+    pass
+sys.exit(3)
+"""
+
+
+def ray_venv(tmp_path: Path) -> tuple[Path, Path]:
+    """A venv-shaped bin/ holding python and the stand-in ray; and the stand-in's log."""
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin/python").symlink_to(sys.executable)
+    log = tmp_path / "ray-calls.log"
+    ray = tmp_path / "bin/ray"
+    ray.write_text(RAY_STAND_IN.format(python=sys.executable, log=str(log)))
+    ray.chmod(0o755)
+    return tmp_path / "bin/python", log
+
+
+def ray_env(port: int) -> dict[str, str]:
+    return {
+        "RAY_ADDRESS": f"127.0.0.1:{port}",
+        "VLLM_HOST_IP": "127.0.0.1",
+        "PATH": "/usr/bin:/bin",
+    }
+
+
+def test_a_ray_leader_starts_its_head_first_and_ends_with_it(tmp_path: Path) -> None:
+    python, log = ray_venv(tmp_path)
+    ray_port = free_port()
+    code = STAND_IN.format(launcher=str(LAUNCHER), start="head = replica.start_ray_head(30)")
+    leader = subprocess.Popen(
+        [str(python), "-c", code], stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env=ray_env(ray_port),
+    )  # fmt: skip
+    try:
+        connect(ray_port).close()
+        assert log.read_text().split() == [
+            "start", "--head", "--port", str(ray_port), "--node-ip-address", "127.0.0.1",
+            "--block", "--disable-usage-stats", "--include-dashboard=false",
+        ]  # fmt: skip
+        time.sleep(0.5)
+        assert leader.poll() is None
+        # The head dies (the stand-in, killed): the leader ends, for Restart= to bring both back.
+        subprocess.run(["pkill", "-f", f"{tmp_path}/bin/ray"], check=False)
+        assert leader.wait(timeout=10) == 75
+    finally:
+        leader.kill()
+    err = leader.stderr.read() if leader.stderr else ""
+    assert f"Ray head listening on 127.0.0.1:{ray_port}" in err
+    assert "the Ray head is gone: exiting (75)" in err
+
+
+def test_a_ray_worker_joins_after_its_leader_and_ends_with_it(tmp_path: Path) -> None:
+    python, log = ray_venv(tmp_path)
+    watch, ray_port = free_port(), free_port()
+    worker = subprocess.Popen(
+        [str(python), str(LAUNCHER), "ray-worker", f"127.0.0.1:{watch}", "gpu-b", "--"],
+        stderr=subprocess.PIPE, text=True, start_new_session=True, env=ray_env(ray_port),
+    )  # fmt: skip
+    try:
+        # No leader yet: no Ray worker is started.
+        time.sleep(2.5)
+        assert worker.poll() is None and not log.exists()
+        with (
+            socket.create_server(("127.0.0.1", ray_port)) as head,
+            socket.create_server(("127.0.0.1", watch)) as server,
+        ):
+            server.settimeout(15)
+            head.settimeout(15)
+            conn, _ = server.accept()
+            assert conn.recv(64) == b"follower gpu-b (Ray worker)\n"
+            joined, _ = head.accept()
+            assert log.read_text().split() == [
+                "start", "--address", f"127.0.0.1:{ray_port}", "--block",
+                "--disable-usage-stats", "--node-ip-address", "127.0.0.1",
+            ]  # fmt: skip
+            conn.close()
+            assert worker.wait(timeout=10) == 75
+            joined.close()
+    finally:
+        worker.kill()
+    err = worker.stderr.read() if worker.stderr else ""
+    assert f"the leader at 127.0.0.1:{watch} is gone" in err

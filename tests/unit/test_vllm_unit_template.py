@@ -274,3 +274,63 @@ def test_a_replica_leader_serves_and_a_follower_runs_headless(
     alone = render(loader, "vllm.service.j2", vllm_service_venv=str(venv))
     assert "-m vllm.entrypoints.openai.api_server" in directive(alone, "ExecStart")[0]
     assert "nnodes" not in alone and LAUNCHER not in alone
+
+
+def sandbox(unit: str) -> list[str]:
+    """The unit's [Service] lines but what runs and its environment (the sandbox)."""
+    service = unit.split("[Service]", 1)[1].split("[Install]", 1)[0]
+    return [
+        line
+        for line in service.splitlines()
+        if line and not line.startswith(("#", "ExecStart=", "Environment="))
+    ]
+
+
+def test_a_ray_replica_runs_head_and_worker_in_the_same_sandboxed_unit(
+    loader: DataLoader, venv: Path, tmp_path: Path
+) -> None:
+    """Issue 19, executor ray: the leader's unit starts the Ray head and the API
+    server on it, a follower's unit a Ray worker; the sandbox is the mp unit's."""
+    units = {
+        (executor, rank): render(
+            loader,
+            "vllm.service.j2",
+            vllm_fleet_plan={
+                "tensor_parallel_size": 8,
+                "replica": {**replica(rank), "executor": executor},
+            },
+            vllm_service_venv=str(venv),
+        )
+        for executor in ("mp", "ray")
+        for rank in (0, 1)
+    }
+    (head,) = directive(units["ray", 0], "ExecStart")
+    assert head.startswith(f"{venv}/bin/python {LAUNCHER} ray-head 10.0.0.11:29502 node1 -- ")
+    assert "--distributed-executor-backend ray" in head and "--tensor-parallel-size 8" in head
+    assert "--port 8000" in head
+    # Ray places the ranks itself: none of vLLM's own launch arguments.
+    for launch in ("--nnodes", "--node-rank", "--master-addr", "--master-port", "--headless"):
+        assert launch not in head
+    (worker,) = directive(units["ray", 1], "ExecStart")
+    assert worker == f"{venv}/bin/python {LAUNCHER} ray-worker 10.0.0.11:29502 node1 --"
+    for rank in (0, 1):
+        env = directive(units["ray", rank], "Environment")
+        assert "RAY_ADDRESS=10.0.0.11:29501" in env and "RAY_USAGE_STATS_ENABLED=0" in env
+        assert f"VLLM_HOST_IP=10.0.0.1{rank + 1}" in env
+        assert not any(e.startswith("RAY_") for e in directive(units["mp", rank], "Environment"))
+        # The same hardening, line for line, as the mp unit of the same rank.
+        assert sandbox(units["ray", rank]) == sandbox(units["mp", rank])
+        assert "ProtectSystem=strict" in sandbox(units["ray", rank])
+    assert "--distributed-executor-backend" not in directive(units["mp", 0], "ExecStart")[0]
+    assert directive(units["ray", 1], "Description") == [
+        "vLLM follower (rank 1, Ray worker) server for kimi-k2.5"
+    ]
+    if shutil.which("systemd-analyze"):
+        for rank in (0, 1):
+            path = tmp_path / f"ray{rank}.service"
+            path.write_text(units["ray", rank])
+            result = subprocess.run(
+                ["systemd-analyze", "verify", str(path)], capture_output=True, text=True,
+                check=False,
+            )  # fmt: skip
+            assert result.returncode == 0, result.stderr

@@ -18,6 +18,16 @@ names the node that went first.
 
     vllm_replica.py leader LEADER_IP:WATCH_PORT NODE -- API_SERVER_ARGS...
     vllm_replica.py follower LEADER_IP:WATCH_PORT NODE -- HEADLESS_ARGS...
+
+With the Ray executor the same watch binds the nodes, and each node's unit
+runs its Ray process: the leader starts a Ray head (a child, at the port in
+RAY_ADDRESS, on VLLM_HOST_IP), opens the watch port once the head listens,
+and runs the API server, which joins the head through RAY_ADDRESS; a follower
+waits for the leader's watch port, then runs a Ray worker joined to the head.
+The leader exits when its head does, a follower with its worker's status.
+
+    vllm_replica.py ray-head LEADER_IP:WATCH_PORT NODE -- API_SERVER_ARGS...
+    vllm_replica.py ray-worker LEADER_IP:WATCH_PORT NODE --
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ from __future__ import annotations
 import os
 import runpy
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -74,9 +85,8 @@ def watch_followers(server: socket.socket) -> None:
         threading.Thread(target=_follower_watched, args=(conn,), daemon=True).start()
 
 
-def watch_leader(address: str, port: int, node: str, rank: str) -> None:
-    """A follower: connect to the leader's watch port (retried until it opens),
-    say who this is, and exit when the connection ends."""
+def _connect(address: str, port: int) -> socket.socket:
+    """A connection to the leader's port, retried until it opens."""
     while True:
         try:
             conn = socket.create_connection((address, port), timeout=RETRY_S)
@@ -84,30 +94,123 @@ def watch_leader(address: str, port: int, node: str, rank: str) -> None:
         except OSError:
             time.sleep(RETRY_S)
     conn.settimeout(None)
+    return conn
+
+
+def _watched(conn: socket.socket, address: str, port: int, hello: str) -> None:
     _keepalive(conn)
-    conn.sendall(f"follower {node} (rank {rank})\n".encode())
+    conn.sendall(f"{hello}\n".encode())
     _log(f"watching the leader at {address}:{port}")
     _until_closed(conn)
     _gone(f"the leader at {address}:{port}")
+
+
+def watch_leader(address: str, port: int, node: str, rank: str) -> None:
+    """A follower: connect to the leader's watch port (retried until it opens),
+    say who this is, and exit when the connection ends."""
+    _watched(_connect(address, port), address, port, f"follower {node} (rank {rank})")
+
+
+def ray_command(*args: str) -> list[str]:
+    """Ray's CLI from the interpreter's venv (its console script beside python)."""
+    return [os.path.join(os.path.dirname(sys.executable), "ray"), *args]
+
+
+def _ray_address() -> tuple[str, str]:
+    host, port = os.environ["RAY_ADDRESS"].rsplit(":", 1)
+    return host.strip("[]"), port
+
+
+def _ray_start_args() -> list[str]:
+    # In the foreground (the unit's main process), and no usage report.
+    return ["--block", "--disable-usage-stats"]
+
+
+def start_ray_head(timeout_s: float = 120.0) -> subprocess.Popen[bytes]:
+    """The leader's Ray head, a child of this process (in the unit's cgroup):
+    returns once its port accepts connections; the node exits when it does."""
+    host, port = _ray_address()
+    head = subprocess.Popen(
+        ray_command("start", "--head", "--port", port, "--node-ip-address",
+                    os.environ.get("VLLM_HOST_IP", host), *_ray_start_args(),
+                    # No dashboard: one more web service in the unit (a head-only flag).
+                    "--include-dashboard=false")
+    )  # fmt: skip
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if head.poll() is not None:
+            _log(f"the Ray head exited ({head.returncode}) before it listened on {host}:{port}")
+            sys.exit(head.returncode or 1)
+        try:
+            socket.create_connection((host, int(port)), timeout=RETRY_S).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                _log(f"the Ray head did not listen on {host}:{port} within {timeout_s:.0f} s")
+                sys.exit(1)
+            time.sleep(0.5)
+    _log(f"Ray head listening on {host}:{port}")
+    threading.Thread(target=_exit_with, args=(head, "the Ray head"), daemon=True).start()
+    return head
+
+
+def _exit_with(child: subprocess.Popen[bytes], what: str) -> None:
+    child.wait()
+    _log(f"{what} exited ({child.returncode})")
+    _gone(what)
+
+
+def run_ray_worker(address: str, watch_port: int, node: str) -> None:
+    """A follower's Ray worker, started once the leader (and so its head) is up."""
+    conn = _connect(address, watch_port)
+    threading.Thread(
+        target=_watched,
+        args=(conn, address, watch_port, f"follower {node} (Ray worker)"),
+        daemon=True,
+    ).start()
+    head, port = _ray_address()
+    worker = ray_command("start", "--address", f"{head}:{port}", *_ray_start_args())
+    if "VLLM_HOST_IP" in os.environ:
+        worker += ["--node-ip-address", os.environ["VLLM_HOST_IP"]]
+    status = subprocess.call(worker)
+    _log(f"the Ray worker exited ({status})")
+    sys.exit(status or PEER_GONE)
+
+
+def serve_api(args: list[str]) -> None:
+    sys.argv = ["vllm.entrypoints.openai.api_server", *args]
+    runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)
+
+
+def watch_port(address: str, port: str) -> None:
+    """The leader's watch: bound here, not in the thread, so that a port in use
+    stops the start with its error."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    server = socket.create_server((address, int(port)), family=family)
+    threading.Thread(target=watch_followers, args=(server,), daemon=True).start()
 
 
 def _option(args: list[str], name: str) -> str:
     return args[args.index(name) + 1] if name in args else "?"
 
 
+ROLES = ("leader", "follower", "ray-head", "ray-worker")
+
+
 def main(argv: list[str]) -> None:
-    if len(argv) < 4 or argv[0] not in ("leader", "follower") or argv[3] != "--":
+    if len(argv) < 4 or argv[0] not in ROLES or argv[3] != "--":
         sys.exit(__doc__)
     role, where, node, _, *args = argv
     address, port = where.rsplit(":", 1)
     address = address.strip("[]")
-    if role == "leader":
-        # Bound here, not in the thread: a port in use stops the start with its error.
-        family = socket.AF_INET6 if ":" in address else socket.AF_INET
-        server = socket.create_server((address, int(port)), family=family)
-        threading.Thread(target=watch_followers, args=(server,), daemon=True).start()
-        sys.argv = ["vllm.entrypoints.openai.api_server", *args]
-        runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)
+    if role == "ray-worker":
+        run_ray_worker(address, int(port), node)
+        return
+    if role in ("leader", "ray-head"):
+        if role == "ray-head":
+            start_ray_head()
+        watch_port(address, port)
+        serve_api(args)
         return
     watch = (address, int(port), node, _option(args, "--node-rank"))
     threading.Thread(target=watch_leader, args=watch, daemon=True).start()
