@@ -125,7 +125,19 @@ def _agreement_problems(name: str, members: Sequence[Mapping[str, Any]]) -> list
             f"{world * pipeline} does not split evenly over its {len(members)} nodes "
             "(each node runs the same number of ranks)"
         )
+    untokened = [m["host"] for m in members if not _true(m.get("ray_token"))]
+    if first.get("vllm_fleet_executor") == "ray" and untokened:
+        problems.append(
+            f"replica {name}: the ray executor needs vllm_fleet_ray_token on "
+            f"{', '.join(untokened)} (in vault, the same on every node of the replica): "
+            "a Ray port without a token runs any code sent to it"
+        )
     return problems
+
+
+def _true(value: Any) -> bool:
+    # set_fact hands a templated boolean over as a bool or its text.
+    return str(value).lower() == "true"
 
 
 def replica_problems(

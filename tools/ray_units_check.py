@@ -12,7 +12,8 @@ STANDS IN for it (it joins the Ray cluster at RAY_ADDRESS as vLLM's Ray
 executor does, logs the cluster's alive nodes, then sleeps).
 
 It shows: the follower's Ray worker joins the leader's Ray head (two alive
-nodes, ``ray status``), and a killed worker takes
+nodes, ``ray status`` with the cluster token from the 0600 environment file
+the role renders), a client with a wrong token is refused, and a killed worker takes
 the leader down with the follower named in its journal, after which systemd
 brings both back and the cluster has two nodes again.
 
@@ -26,6 +27,7 @@ for the issue's note.
 from __future__ import annotations
 
 import argparse
+import secrets
 import subprocess
 import sys
 import time
@@ -46,6 +48,8 @@ VENV = "/opt/ray-venv"
 PORT = 6399  # the rendezvous port: the Ray head's; the watch port is the next one
 UNIT = "vllm-kimi-k2.5"
 LAUNCHER = "/usr/local/lib/vllm-fleet/vllm_replica.py"
+ENV_FILE = "/etc/vllm-fleet/kimi-k2.5.env"
+TOKEN = "ray-" + secrets.token_hex(16)
 STAND_IN = '''"""STAND-IN for vLLM's API server (no vLLM in this venv): tools/ray_units_check.py."""
 import os, sys, time
 import ray
@@ -108,7 +112,14 @@ def install_unit(node: str, rank: int) -> str:
     )
     write(node, f"/etc/systemd/system/{UNIT}.service", text)
     sh(node, "mkdir", "-p", "/etc/vllm-fleet", "/srv/models/kimi", str(Path(LAUNCHER).parent))
-    sh(node, "sh", "-c", "install -m 0600 /dev/null /etc/vllm-fleet/kimi-k2.5.env")
+    secrets_file = unit_test.render(
+        DataLoader(),
+        "vllm.env.j2",
+        vllm_fleet_plan={"replica": replica(rank)},
+        vllm_fleet_ray_token=TOKEN,
+    )
+    sh(node, "sh", "-c", f"install -m 0600 /dev/null {ENV_FILE}")
+    write(node, ENV_FILE, secrets_file)
     sh(node, "sh", "-c", "id vllm || useradd --system --user-group --no-create-home vllm")
     fleet_mod.podman("cp", str(ROOT / "roles/vllm_service/files/vllm_replica.py"),
                      f"{node}:{LAUNCHER}")  # fmt: skip
@@ -152,12 +163,21 @@ def main() -> int:
         time.sleep(3)
         sh(leader, "systemctl", "start", UNIT)
         wait_for(leader, "Ray cluster has 2 alive node(s)")
-        print(f"== ray status on {leader}")
-        print(
-            sh(leader, f"{VENV}/bin/ray", "status", "--address", f"127.0.0.1:{PORT}", check=False)
-        )
+        status = [f"{VENV}/bin/ray", "status", "--address", f"127.0.0.1:{PORT}"]
+        print(f"== ray status on {leader} (RAY_AUTH_MODE=token, the token from {ENV_FILE})")
+        print(sh(leader, "env", "RAY_AUTH_MODE=token", f"RAY_AUTH_TOKEN={TOKEN}", *status))
+        wrong = fleet_mod.podman(
+            "exec", follower, "env", "RAY_AUTH_MODE=token", "RAY_AUTH_TOKEN=wrong", *status,
+            check=False,
+        )  # fmt: skip
+        print(f"== ray status on {follower} with a wrong token: rc {wrong.returncode}")
+        print("\n".join((wrong.stdout + wrong.stderr).strip().splitlines()[-4:]))
+        if wrong.returncode == 0:
+            raise SystemExit("a client with a wrong token reached the Ray cluster")
         for node in (leader, follower):
             print(f"== journal of {node}\n{journal(node)}")
+            if TOKEN in journal(node) + sh(node, "cat", f"/etc/systemd/system/{UNIT}.service"):
+                raise SystemExit(f"{node}: the Ray token is in the journal or the unit")
         since = sh(leader, "date", "+%Y-%m-%d %H:%M:%S").strip()
         sh(follower, "systemctl", "kill", "--signal=KILL", "--kill-whom=main", UNIT)
         wait_for(leader, "is gone", since=since, timeout=120)

@@ -364,8 +364,8 @@ def http(
         return resp.status, json.loads(resp.read() or b"null")
 
 
-def serving(node: str) -> None:
-    """The node answers /health and a completion with tokens."""
+def serving(node: str) -> dict[str, Any]:
+    """The node answers /health and a completion with tokens; the completion."""
     assert http(node, "/health", key=None)[0] == 200
     _, completion = http(
         node,
@@ -378,6 +378,7 @@ def serving(node: str) -> None:
         },
     )
     assert completion["usage"]["completion_tokens"] == 4
+    return completion
 
 
 def unit_model(node: str) -> str:
@@ -1268,7 +1269,7 @@ def test_one_replica_across_both_nodes_serves_and_restarts_whole(
     run = deploy(tmp_path, hub, replica)
     assert run.rc == 0, run.failed_msgs() or run.stdout[-3000:]
     assert (run.play_hosts(ROLLING_PLAY), run.batches(ROLLING_PLAY)) == ({leader, follower}, 1)
-    serving(leader)
+    completion = serving(leader)
     led, followed = (journal(node, since[node]) for node in (leader, follower))
     # Each node's process holds its rank's share of the model.
     assert re.search(r"world_size=2 rank=0 .*tcp://127\.0\.0\.1:" + str(REPLICA_PORT), led)
@@ -1286,7 +1287,13 @@ def test_one_replica_across_both_nodes_serves_and_restarts_whole(
     # The fleet endpoint balances over the replica's leader only.
     assert list(router_workers()) == [worker_url(leader)]
     assert complete_via_router() == 200
-    shown = r"world_size=2|TP rank|replica:"
+    MEASURED["replica_completion"] = {
+        "leader": leader,
+        "model": completion["model"],
+        "content": completion["choices"][0]["message"]["content"],
+        "usage": completion["usage"],
+    }
+    shown = r"world_size=2|TP rank|replica:|Loading weights took"
     MEASURED["replica_journal"] = {
         node: [line for line in text.splitlines() if re.search(shown, line)]
         for node, text in ((leader, led), (follower, followed))

@@ -7,7 +7,9 @@ comes back in the diff, nothing is written.
 
 from __future__ import annotations
 
+import json
 import os
+import secrets
 import socket
 import sys
 from pathlib import Path
@@ -282,12 +284,37 @@ def test_a_leader_address_the_nodes_cannot_resolve_stops_every_node(tmp_path: Pa
 
 
 def test_the_ray_executor_on_cpu_nodes_is_refused_before_any_change(tmp_path: Path) -> None:
-    """vllm_fleet_executor: ray from the inventory (group_vars): preflight stops
-    each node of the replica with vLLM's own reason and the way out."""
+    """vllm_fleet_executor: ray from the inventory: validation stops a replica
+    whose node has no Ray token (naming the node, never the token); with the
+    token on both, preflight stops each node with vLLM's own reason and the way out."""
+    token = "ray-" + secrets.token_hex(12)
     ray = {"vllm_fleet_executor": "ray"}
+    leader = {"vllm_fleet_replica_address": "127.0.0.1", "vllm_fleet_ray_token": token, **ray}
+    (tmp_path / "untokened").mkdir()
+    events = plan_replica(tmp_path / "untokened", {**leader, "port": free_port()}, ray)
+    refused = [
+        (e["event_data"]["task"], e["event_data"]["res"]["msg"])
+        for e in events
+        if e["event"] == "runner_on_failed"
+    ]
+    assert refused == [
+        (
+            "Check the replica topology",
+            "Inconsistent replica topology (vllm_fleet_replica, vllm_fleet_replica_rank), "
+            "nothing was changed: (1) replica r1: the ray executor needs vllm_fleet_ray_token "
+            "on node-b (in vault, the same on every node of the replica): a Ray port without "
+            "a token runs any code sent to it.",
+        )
+    ], refused
+    assert not any(token in json.dumps(e) for e in events)
+
+    (tmp_path / "tokened").mkdir()
     events = plan_replica(
-        tmp_path, {"vllm_fleet_replica_address": "127.0.0.1", "port": free_port(), **ray}, ray
+        tmp_path / "tokened",
+        {**leader, "port": free_port()},
+        {"vllm_fleet_ray_token": token, **ray},
     )
+    assert not any(token in json.dumps(e) for e in events)
     failed = failures(events)
     assert list(failed) == ["Fail with every problem found"]
     for host, msg in failed["Fail with every problem found"]:

@@ -63,6 +63,29 @@ def test_every_problem_is_listed_at_once() -> None:
     ]
 
 
+def test_a_ray_replica_needs_the_ray_token_on_every_node() -> None:
+    """Without a token Ray's port runs any code sent to it; only whether one
+    is set reaches the filter (set_fact's bool or its text), never the token."""
+    ray = {"vllm_fleet_executor": "ray"}
+    assert (
+        topology.replica_problems(
+            [
+                member("a", "r1", 0, ray_token=True, **ray),
+                member("b", "r1", 1, ray_token="True", **ray),
+            ]
+        )
+        == []
+    )
+    assert topology.replica_problems(
+        [member("a", "r1", 0, ray_token=True, **ray), member("b", "r1", 1, ray_token=False, **ray)]
+    ) == [
+        "replica r1: the ray executor needs vllm_fleet_ray_token on b (in vault, the same on "
+        "every node of the replica): a Ray port without a token runs any code sent to it"
+    ]
+    # vLLM's own launch (mp) needs none.
+    assert topology.replica_problems([member("a", "r1", 0), member("b", "r1", 1)]) == []
+
+
 def test_ranks_must_cover_zero_to_the_node_count() -> None:
     members = [member("a", "r", 0), member("b", "r", 2)]
     assert topology.replica_problems(members) == [

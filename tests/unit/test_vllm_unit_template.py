@@ -322,6 +322,25 @@ def test_a_ray_replica_runs_head_and_worker_in_the_same_sandboxed_unit(
         assert sandbox(units["ray", rank]) == sandbox(units["mp", rank])
         assert "ProtectSystem=strict" in sandbox(units["ray", rank])
     assert "--distributed-executor-backend" not in directive(units["mp", 0], "ExecStart")[0]
+    # Ray's token: RAY_AUTH_MODE in the unit, the token only in the 0600 file.
+    token = "ray-token-" + "5" * 24
+    for rank in (0, 1):
+        assert "RAY_AUTH_MODE=token" in directive(units["ray", rank], "Environment")
+        assert token not in units["ray", rank]
+        env_file = render(
+            loader,
+            "vllm.env.j2",
+            vllm_fleet_plan={"replica": {**replica(rank), "executor": "ray"}},
+            vllm_fleet_ray_token=token,
+        )
+        assert f'RAY_AUTH_TOKEN="{token}"' in env_file.splitlines()
+        mp_env = render(
+            loader,
+            "vllm.env.j2",
+            vllm_fleet_plan={"replica": replica(rank)},
+            vllm_fleet_ray_token=token,
+        )
+        assert "RAY_AUTH_TOKEN" not in mp_env
     assert directive(units["ray", 1], "Description") == [
         "vLLM follower (rank 1, Ray worker) server for kimi-k2.5"
     ]
