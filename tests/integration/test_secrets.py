@@ -130,6 +130,8 @@ def test_bad_role_variable_fails_in_validate_without_secrets(
           "VLLM_API_KEY -> put it in vault as vllm_fleet_api_key"]),
         ({"vllm_service_env": {"HUGGING_FACE_HUB_TOKEN": PLAIN_TOKEN}},
          ["HUGGING_FACE_HUB_TOKEN -> put it in vault as vllm_fleet_hf_token"]),
+        ({"vllm_fleet_engine_env": {"RAY_AUTH_TOKEN": PLAIN_TOKEN}},
+         ["RAY_AUTH_TOKEN -> put it in vault as vllm_fleet_ray_token"]),
     ],
 )  # fmt: skip
 def test_secrets_in_engine_arguments_are_refused_naming_the_vault_variable(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from tests.support.ansible_module import fail_module, load_module, patch_ansible_module, run_module
 
@@ -469,3 +471,14 @@ def test_a_secret_outside_its_env_line_fails_the_record_unwritten(node: dict[str
 @pytest.mark.parametrize("value", ["plain", 'q"d$b`s\\e', "sp ace", "ünï"])
 def test_envfile_quote_matches_role_vllm_services_filter(value: str) -> None:
     assert vllm_release.envfile_quote(value) == vllm_args.systemd_envfile_quote(value)
+
+
+def test_every_secret_the_env_template_writes_is_redacted_in_a_release() -> None:
+    """Each NAME= line of vllm_service's secrets file is a secret the release role
+    replaces by a placeholder (a name missing there is recorded in plain)."""
+    root = Path(__file__).resolve().parents[2]
+    template = (root / "roles/vllm_service/templates/vllm.env.j2").read_text()
+    written = set(re.findall(r"^([A-Z_]+)=\{\{", template, flags=re.M))
+    secrets = yaml.safe_load((root / "roles/vllm_release/vars/main.yml").read_text())
+    assert written >= {"VLLM_API_KEY", "HF_TOKEN", "RAY_AUTH_TOKEN"}
+    assert written <= set(secrets["__vllm_release_secrets"]), written
