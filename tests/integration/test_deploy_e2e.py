@@ -1430,6 +1430,66 @@ def test_a_rolling_update_of_a_mixed_fleet_restarts_the_replica_whole(
     MEASURED["mixed_rollout_s"] = {"join": round(joined.wall_s, 1), "roll": round(rolled.wall_s, 1)}
 
 
+def test_a_replica_node_that_fails_returns_the_replica_whole(
+    deployed: Run, hub: HubServer, inventory: Path, tmp_path: Path
+) -> None:
+    """Replica r1 (as left above) changes, and only its leader fails (its smoke
+    request is longer than the new, tiny context): the follower, which served,
+    fails beside it naming the leader, and both return to their last good
+    release in the automatic rollback, stopped together, then started."""
+    assert deployed.rc == 0, deployed.failed_msgs()
+    replica, leader, follower = replica_inventory(inventory, tmp_path / "inventory")
+    assert launched(follower)[:2] == [LAUNCHER, "follower"], "needs the replica tests above"
+    good = {
+        node: node_sh(node, "readlink", f"{RELEASES}/current").strip()
+        for node in (leader, follower)
+    }
+    argv_of = {node: launched(node) for node in (leader, follower)}
+    # A context of 16 tokens: the engine starts and the leader's /health
+    # answers (the follower's wait passes), but the smoke request, which only
+    # the leader sends, is longer: 400.
+    hosts = yaml.safe_load((replica / "hosts.yml").read_text())
+    for node in (leader, follower):
+        hosts["gpu-nodes"]["hosts"][node]["vllm_service_engine_args"] = {
+            **PROFILE["vllm_fleet_engine_args"],
+            "max-model-len": 16,
+        }
+    (replica / "hosts.yml").write_text(yaml.safe_dump(hosts, sort_keys=False))
+
+    failed = deploy(tmp_path, hub, replica)
+    assert failed.rc != 0
+    reasons = {
+        e["event_data"]["host"]: str(e["event_data"]["res"].get("msg", ""))
+        for e in failed.events
+        if e["event"] == "runner_on_failed"
+        and e["event_data"]["task"] == "Fail, naming the reason and the diagnosis"
+    }
+    assert sorted(reasons) == sorted([leader, follower]), failed.failed_msgs()
+    for node in (leader, follower):
+        assert "automatic rollback: release" in reasons[node], reasons[node]
+    assert "Status code was 400" in reasons[leader], reasons[leader]
+    assert (
+        f"{follower} serves the new release, but {leader} of replica r1 did not"
+        in reasons[follower]
+    ), reasons[follower]
+    # Both back on their last good release (without the change), r1 whole.
+    for node in (leader, follower):
+        assert node_sh(node, "readlink", f"{RELEASES}/current").strip() == good[node]
+        assert launched(node) == argv_of[node], launched(node)
+    # The rollback stopped both, then started both (not one after the other).
+    stopped = {
+        e["event_data"]["host"]
+        for e in failed.events
+        if e["event"] == "runner_on_ok"
+        and e["event_data"]["task"] == "Stop the service (with the nodes that restart together)"
+        and e["event_data"]["res"].get("changed")
+    }
+    assert stopped == {leader, follower}, stopped
+    assert launched(follower)[:2] == [LAUNCHER, "follower"]
+    serving(leader)
+    MEASURED["replica_failure_rollback_s"] = round(failed.wall_s, 1)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _record_measurements() -> Iterator[None]:
     yield
