@@ -32,6 +32,7 @@ import re
 import shutil
 import socket
 import stat
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -305,11 +306,51 @@ def check_names(base: str, paths: list[str], where: str) -> None:
 def check_listing_names(opts: Options, sha: str, entries: list[Entry]) -> None:
     where = f"the hub listing of {opts.repo_id}@{sha}"
     paths = [e.path for e in entries]
+    own_dir(os.path.join(opts.state_dir, "partial"), make=False)
+    own_dir(partial_dir(opts, sha), make=False)
     check_names(opts.local_dir, paths, where)
     check_names(partial_dir(opts, sha), [p + ".part" for p in paths], where)
 
 
 # --- local state -------------------------------------------------------------------------
+# The state dir is on shared storage that every node can write, and this runs as root:
+# an entry the toolkit makes is never reached through a symlink someone else planted.
+
+
+def own_dir(path: str, make: bool = True) -> str:
+    """``path`` as a real directory (made when absent, if ``make``); a symlink or file
+    there is refused, naming it."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        if not make:
+            return path
+        os.makedirs(path, exist_ok=True)
+        st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        what = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a directory"
+        raise DownloadError(
+            f"Refusing {path}: {what} where the toolkit keeps a directory of its own (someone "
+            "else made it; it was not followed). Remove it and rerun."
+        )
+    return path
+
+
+def open_own(path: str, flags: int, mode: int = 0o644) -> int:
+    """os.open of a regular file the toolkit keeps, never through a symlink at ``path``."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except OSError as err:
+        if err.errno != errno.ELOOP:
+            raise
+        raise DownloadError(
+            f"Refusing {path}: a symlink where the toolkit keeps a file of its own (someone "
+            "else made it; it was not followed). Remove it and rerun."
+        ) from err
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise DownloadError(f"Refusing {path}: not a regular file. Remove it and rerun.")
+    return fd
 
 
 def manifest_path(opts: Options) -> str:
@@ -599,7 +640,9 @@ def set_aside(opts: Options, sha: str, paths: list[str]) -> str:
     stray ``*.safetensors`` in the checkpoint is loaded by vLLM's glob. A rename on
     the same storage costs no copy. Returns the directory they are now in.
     """
-    where = os.path.join(opts.state_dir, "set-aside", f"{sha[:12]}-{time.time_ns()}")
+    where = os.path.join(
+        own_dir(os.path.join(opts.state_dir, "set-aside")), f"{sha[:12]}-{time.time_ns()}"
+    )
     for path in paths:
         target = os.path.join(where, path)
         os.makedirs(os.path.dirname(target), exist_ok=True)
@@ -712,7 +755,7 @@ class DirLock:
         )
 
     def __enter__(self) -> DirLock:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_own(self.path, os.O_RDWR | os.O_CREAT)
         deadline = time.monotonic() + self.timeout
         while True:
             try:
@@ -812,10 +855,17 @@ class Progress:
 
 
 def write_json_atomic(path: str, data: Any) -> None:
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as fh:
-        json.dump(data, fh, indent=1, sort_keys=True)
-    os.replace(tmp, path)
+    # mkstemp: a new name (O_EXCL), so no link planted at a guessable one is written through.
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=os.path.dirname(path))
+    try:
+        os.fchmod(fd, 0o644)
+        with os.fdopen(fd, "w") as fh:
+            json.dump(data, fh, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def make_counter(progress: Progress) -> type:
@@ -919,6 +969,8 @@ def transfer(opts: Options, sha: str, entry: Entry, progress: Progress) -> Fetch
     if meta.size is not None and meta.size != entry.size:
         raise DownloadError(f"{entry.path}: hub says {meta.size} bytes, listing says {entry.size}")
     part = partial_path(opts, sha, entry.path)
+    own_dir(os.path.join(opts.state_dir, "partial"))
+    own_dir(partial_dir(opts, sha))
     os.makedirs(os.path.dirname(part), exist_ok=True)
     hub = hub_origin(opts)
     headers = build_hf_headers(token=opts.token or None)
@@ -932,7 +984,7 @@ def transfer(opts: Options, sha: str, entry: Entry, progress: Progress) -> Fetch
         os.truncate(part, 0)
         resume = 0
     # Unbuffered: each chunk is one write(2), hashed from the same buffer.
-    with open(part, "ab", buffering=0) as fh:
+    with os.fdopen(open_own(part, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab", 0) as fh:
         writer = HashingWriter(fh, part, algorithm, entry.size)
         writer.prefill(resume)
         if resume < entry.size and direct_http(meta.location):
@@ -1501,8 +1553,8 @@ def start_job(opts: Options, timeout_s: int) -> dict[str, Any]:
     module run and the connection; one module run both plans and starts (no second
     AnsiballZ round trip). wait_progress follows the results file.
     """
-    jobs = os.path.join(opts.state_dir, "jobs")
-    os.makedirs(jobs, exist_ok=True)
+    os.makedirs(opts.state_dir, exist_ok=True)
+    jobs = own_dir(os.path.join(opts.state_dir, "jobs"))
     for name in os.listdir(jobs):  # earlier runs' files; a running job holds the lock anyway
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(jobs, name))

@@ -492,3 +492,56 @@ def test_authorization_goes_to_the_hub_origin_only(url: str, kept: bool) -> None
     sent = hd.headers_for(url, headers, hub)
     assert ("authorization" in sent) is kept and sent["user-agent"] == "x"
     assert hd.url_origin("https://huggingface.co") == hd.url_origin("https://HuggingFace.co:443/")
+
+
+# --- no link planted in the shared state dir is followed ----------------------------------
+
+
+@pytest.fixture
+def outside(tmp_path: Path) -> Path:
+    """A file and a directory outside the state dir that a planted link points at."""
+    (tmp_path / "outside" / "dir").mkdir(parents=True)
+    (tmp_path / "outside" / "dir" / "precious").write_text("keep me\n")
+    (tmp_path / "outside" / "file").write_text("keep me\n")
+    return tmp_path / "outside"
+
+
+def test_a_symlink_at_the_lock_path_is_refused_naming_it(tmp_path: Path, outside: Path) -> None:
+    o = opts(tmp_path)
+    Path(o.state_dir).mkdir()
+    (Path(o.state_dir) / "download.lock").symlink_to(outside / "file")
+    with pytest.raises(hd.DownloadError) as err, hd.DirLock(o):
+        pass
+    assert f"Refusing {o.state_dir}/download.lock: a symlink" in str(err.value)
+    assert (outside / "file").read_text() == "keep me\n"
+
+
+def test_a_link_planted_at_a_temp_file_name_is_not_written_through(
+    tmp_path: Path, outside: Path
+) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    # The names a writer could guess: the pid-suffixed one, and mkstemp's prefix.
+    (state / f"manifest.json.{os.getpid()}.tmp").symlink_to(outside / "file")
+    hd.write_json_atomic(str(state / "manifest.json"), {"a": 1})
+    assert json.loads((state / "manifest.json").read_text()) == {"a": 1}
+    assert not (state / "manifest.json").is_symlink()
+    assert (outside / "file").read_text() == "keep me\n"
+
+
+@pytest.mark.parametrize("name", ["jobs", "partial", "set-aside"])
+def test_a_symlinked_state_directory_is_refused_and_nothing_outside_changes(
+    tmp_path: Path, outside: Path, name: str
+) -> None:
+    o = opts(tmp_path, endpoint="http://127.0.0.1:9")
+    Path(o.state_dir).mkdir()
+    (Path(o.state_dir) / name).symlink_to(outside / "dir")
+    with pytest.raises(hd.DownloadError) as err:
+        if name == "jobs":
+            hd.start_job(o, timeout_s=5)
+        elif name == "set-aside":
+            hd.set_aside(o, "a" * 40, ["x"])
+        else:  # the plan's name check, before anything is written
+            hd.check_listing_names(o, "a" * 40, [hd.Entry("config.json", 1, "0" * 40)])
+    assert f"Refusing {o.state_dir}/{name}: a symlink" in str(err.value)
+    assert sorted(p.name for p in (outside / "dir").iterdir()) == ["precious"]
