@@ -13,7 +13,7 @@ description:
   - "O(state=present): ensures the directory C(<root>/<sha>/<variant>/) mirrors the
     checkpoint O(checkpoint): one relative symlink per checkpoint file, except the
     files named in O(materialize), which are real files (copies of the checkpoint's,
-    or of O(sources)) that M(hf_quant_config) may then patch. The checkpoint itself is
+    or of O(sources)) that C(hf_quant_config) may then patch. The checkpoint itself is
     never written."
   - Entries of the view that the checkpoint no longer has are removed, links that
     point elsewhere are replaced. A real file already in the view is kept as it is
@@ -169,7 +169,8 @@ collected:
   sample: [/shared/models/.vllm-fleet/kimi/views/0123abcd/absent]
 skipped:
   description:
-    - Symlinks found where a view or sha directory belongs (O(state=collected)), left
+    - >-
+      Symlinks found where a view or sha directory belongs (O(state=collected)), left
       alone and never followed: the toolkit makes none there.
   returned: success
   type: list

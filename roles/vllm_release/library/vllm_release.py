@@ -5,20 +5,6 @@
 
 from __future__ import annotations
 
-import calendar
-import hashlib
-import json
-import os
-import re
-import shutil
-import signal
-import stat
-import tempfile
-import time
-from typing import Any
-
-from ansible.module_utils.basic import AnsibleModule
-
 DOCUMENTATION = r"""
 ---
 module: vllm_release
@@ -270,6 +256,20 @@ restored:
   elements: str
   sample: [env]
 """
+
+import calendar
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import stat
+import tempfile
+import time
+from typing import Any
+
+from ansible.module_utils.basic import AnsibleModule
 
 ID_RE = re.compile(r"^[0-9]{8}T[0-9]{9}Z-[0-9a-f]{8}$")
 RELEASE_JSON = "release.json"
