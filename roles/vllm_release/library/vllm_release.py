@@ -5,18 +5,30 @@
 
 from __future__ import annotations
 
+import calendar
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import stat
+import tempfile
+import time
+from typing import Any
+
+from ansible.module_utils.basic import AnsibleModule
+
 DOCUMENTATION = r"""
 ---
 module: vllm_release
 short_description: Record, select and look up releases of a vLLM service on a node
 description:
-  - >-
-    A release is a directory C(<path>/<id>/) holding C(release.json) (what the
+  - A release is a directory C(<path>/<id>/) holding C(release.json) (what the
     node ran: vLLM venv and version, model path and revision, the checkpoint's
     quant-config state, a digest) and copies of the files that define the
     service (the systemd unit, the secrets environment file).
-  - >-
-    No secret is stored: in the copies of the files named in O(redact)
+  - No secret is stored: in the copies of the files named in O(redact)
     (environment files), the value of each variable named in O(secrets) is
     replaced by a placeholder naming it, C(NAME=@@vllm-fleet-secret:NAME@@).
     The digest covers that redacted form, so it does not change when only a
@@ -34,12 +46,10 @@ description:
     C(current) at it, unless C(current) already has the same digest (a rerun
     that changed nothing records nothing). Then prunes to the newest
     O(keep) releases, never removing C(current) or C(previous).
-  - >-
-    O(state=selected) points C(current) at O(release) (an id or C(previous))
+  - O(state=selected) points C(current) at O(release) (an id or C(previous))
     and C(previous) at the old C(current). It does not touch the service:
     restore the files first, then select.
-  - >-
-    O(state=restored) writes the files of O(release) named in O(restore) back
+  - O(state=restored) writes the files of O(release) named in O(restore) back
     to their places (atomically, with the recorded mode, owned by root),
     filling each placeholder with the current value from O(secrets) (quoted as
     role vllm_service quotes it, so an unchanged secret gives the live file
@@ -119,8 +129,7 @@ options:
     default: {}
   info:
     description:
-      - >-
-        With O(state=recorded), recorded in C(release.json) under C(info) but
+      - With O(state=recorded), recorded in C(release.json) under C(info) but
         not part of the digest (for example the deploy variables and their
         digest: a variable change that changes nothing on the node is no new
         release).
@@ -256,20 +265,6 @@ restored:
   elements: str
   sample: [env]
 """
-
-import calendar
-import hashlib
-import json
-import os
-import re
-import shutil
-import signal
-import stat
-import tempfile
-import time
-from typing import Any
-
-from ansible.module_utils.basic import AnsibleModule
 
 ID_RE = re.compile(r"^[0-9]{8}T[0-9]{9}Z-[0-9a-f]{8}$")
 RELEASE_JSON = "release.json"
@@ -520,7 +515,6 @@ def sync_links(root: str, pointers: dict[str, str]) -> None:
             os.unlink(tmp)
         os.symlink(target, tmp)
         os.replace(tmp, path)
-        _fsync_dir(root)
         _crash_point(f"link-{name}")
 
 
@@ -575,15 +569,9 @@ def write_release(
     records: dict[str, dict[str, Any]],
     contents: dict[str, bytes],
 ) -> str:
-    """Write the copies and release.json in a temporary directory, then rename it.
-
-    Every file, the directory and its parent reach the disk before the rename and the
-    rename before the pointer switch: after a power loss the switch never names a
-    release of empty files.
-    """
+    """Write the copies and release.json in a temporary directory, then rename it."""
     os.makedirs(root, mode=0o700, exist_ok=True)
     os.chmod(root, 0o700)
-    _fsync_dir(os.path.dirname(root))  # a new releases directory's own entry
     tmp = tempfile.mkdtemp(prefix=".tmp-", dir=root)
     try:
         for role, record in records.items():
@@ -592,20 +580,14 @@ def write_release(
             fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, int(record["mode"], 8))
             with os.fdopen(fd, "wb") as handle:
                 handle.write(contents[role])
-                handle.flush()
-                os.fchmod(handle.fileno(), int(record["mode"], 8))
-                os.fsync(handle.fileno())
+            os.chmod(dest, int(record["mode"], 8))
         json_path = os.path.join(tmp, RELEASE_JSON)
         with open(json_path, "w") as handle:
             json.dump(release, handle, indent=2, sort_keys=True)
             handle.write("\n")
-            handle.flush()
-            os.fchmod(handle.fileno(), 0o600)
-            os.fsync(handle.fileno())
-        _fsync_dir(tmp)
+        os.chmod(json_path, 0o600)
         final = os.path.join(root, release_id)
         os.rename(tmp, final)
-        _fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
