@@ -13,7 +13,7 @@ description:
   - "O(state=present): ensures the directory C(<root>/<sha>/<variant>/) mirrors the
     checkpoint O(checkpoint): one relative symlink per checkpoint file, except the
     files named in O(materialize), which are real files (copies of the checkpoint's,
-    or of O(sources)) that M(hf_quant_config) may then patch. The checkpoint itself is
+    or of O(sources)) that C(hf_quant_config) may then patch. The checkpoint itself is
     never written."
   - Entries of the view that the checkpoint no longer has are removed, links that
     point elsewhere are replaced. A real file already in the view is kept as it is
@@ -21,7 +21,8 @@ description:
   - A new view is built in a temporary directory and renamed into place, so a node
     never sees half a view. Every change happens under an exclusive lock
     (C(<root>/.lock)), so the nodes of a storage domain build a view once.
-  - With O(manifest) (the download's C(manifest.json)), the checkpoint's copies of
+  - >-
+    With O(manifest) (the download's C(manifest.json)), the checkpoint's copies of
     the O(materialize) files are checked against the hub's digests first: a view is
     never built on a checkpoint that was edited in place.
   - "O(state=collected): records which views the kept releases of O(host) reference

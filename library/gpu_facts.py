@@ -35,8 +35,10 @@ options:
     default: 60
 attributes:
   check_mode:
+    description: Runs in check mode; it reports no change in any mode.
     support: full
   diff_mode:
+    description: Returns no diff.
     support: none
 author:
   - vllm-fleet
@@ -82,7 +84,7 @@ gpus:
     memory_mib: {description: Total memory in MiB, type: int, sample: 143771}
     compute_capability: {description: Compute capability, type: str, sample: "9.0"}
     driver_version: {description: Driver version, type: str}
-    mig_mode: {description: enabled, disabled or unsupported, type: str}
+    mig_mode: {description: 'enabled, disabled or unsupported', type: str}
     pci_bus_id: {description: PCI bus id, type: str}
 driver_version:
   description: Driver version (from the banner, else the query).

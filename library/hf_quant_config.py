@@ -40,7 +40,8 @@ description:
     (key order, indentation, number formatting, escapes, trailing newline)
     stays as it was. All files are read and validated before any is written;
     each write is a temporary file plus an atomic rename.
-  - On a view (a directory built by M(checkpoint_view), marked by its
+  - >-
+    On a view (a directory built by C(checkpoint_view), marked by its
     C(.vllm-fleet-view.json)), the checkpoint the view mirrors is the pristine
     copy: nothing is backed up and O(kv_cache_quant=original) copies the
     checkpoint's bytes back. A config file that is still a symlink (into the
@@ -56,7 +57,8 @@ author:
 options:
   model_dir:
     description:
-      - The directory vLLM loads (holding C(config.json)): a view of the
+      - >-
+        The directory vLLM loads (holding C(config.json)): a view of the
         checkpoint, or a plain checkpoint directory.
     type: path
     required: true

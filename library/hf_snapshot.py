@@ -32,8 +32,9 @@ description:
   - Proves completeness (every listed file with its size and a proved digest, nothing else
     in the directory, every shard of C(model.safetensors.index.json) listed) and writes a
     manifest (size, digest, stat stamp per file) so a rerun proves "unchanged" from
-    O(files) stat calls and re-hashes only files whose stamp moved.
-  - Writes C(progress.json) in O(state_dir) once a second (files and bytes done, rate), for
+    one stat call per file and re-hashes only files whose stamp moved.
+  - >-
+    Writes C(progress.json) in O(state_dir) once a second (files and bytes done, rate), for
     an C(async) task to be polled. Holds an flock on C(state_dir/download.lock) while it
     downloads: the kernel releases it if the process dies, so no lock goes stale.
   - The token reaches the library through this process's environment (C(HF_TOKEN)), never

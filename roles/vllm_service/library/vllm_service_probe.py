@@ -3,13 +3,6 @@
 
 from __future__ import annotations
 
-import re
-import subprocess
-import time
-
-from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.systemd_unit import as_int, health_status, unit_props
-
 DOCUMENTATION = r"""
 ---
 module: vllm_service_probe
@@ -18,7 +11,8 @@ description:
   - Polls C(/health) of a vLLM OpenAI-compatible server run by a systemd unit
     for at most O(wait_s) seconds and reports C(healthy), C(loading),
     C(failed) or C(timeout).
-  - Fails fast, without waiting for the HTTP port, when the unit has failed,
+  - >-
+    Fails fast, without waiting for the HTTP port, when the unit has failed,
     stopped, or restarted since O(restarts) (a crash: the unit uses
     C(Restart=always) because the API server can exit 0 after its engine died).
   - Returns the latest loading milestone from the unit's journal
@@ -64,8 +58,10 @@ options:
     default: []
 attributes:
   check_mode:
+    description: Runs in check mode; it reports no change in any mode.
     support: full
   diff_mode:
+    description: Returns no diff.
     support: none
 notes:
   - Runs C(systemctl show) and C(journalctl) on the node; needs systemd.
@@ -154,6 +150,13 @@ vllm_fleet_progress:
   type: dict
   sample: {"kind": "load", "done": 60, "total": 119}
 """
+
+import re
+import subprocess
+import time
+
+from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.systemd_unit import as_int, health_status, unit_props
 
 _PROPS = (
     "ActiveState",

@@ -3,16 +3,6 @@
 
 from __future__ import annotations
 
-import glob
-import hashlib
-import os
-import pwd
-import re
-import subprocess
-
-from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.systemd_unit import as_int, health_status, unit_props
-
 DOCUMENTATION = r"""
 ---
 module: vllm_service_state
@@ -22,7 +12,8 @@ description:
     from its desired state and whether it serves now, in one call instead of
     one task per fact, so a rerun that changes nothing costs one round trip
     per node.
-  - Reports the SHA-256 of the installed unit and environment file (never
+  - >-
+    Reports the SHA-256 of the installed unit and environment file (never
     their content: the environment file holds secrets), the unit's state and
     command line, whether the venv's interpreter and the checkpoint's
     C(config.json) exist, the vLLM version installed in the venv, who listens
@@ -79,8 +70,10 @@ options:
     default: 5.0
 attributes:
   check_mode:
+    description: Runs in check mode; it reports no change in any mode.
     support: full
   diff_mode:
+    description: Returns no diff.
     support: none
 notes:
   - Runs C(systemctl show) and C(ss) on the node; needs systemd and iproute2.
@@ -174,6 +167,16 @@ serving:
   returned: always
   type: bool
 """
+
+import glob
+import hashlib
+import os
+import pwd
+import re
+import subprocess
+
+from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.systemd_unit import as_int, health_status, unit_props
 
 _PROPS = ("LoadState", "ActiveState", "SubState", "MainPID", "ExecStart")
 
