@@ -125,6 +125,13 @@ def _agreement_problems(name: str, members: Sequence[Mapping[str, Any]]) -> list
             f"{world * pipeline} does not split evenly over its {len(members)} nodes "
             "(each node runs the same number of ranks)"
         )
+    unkeyed = [m["host"] for m in members if not _true(m.get("replica_secret"))]
+    if unkeyed and len(members) > 1:
+        problems.append(
+            f"replica {name}: its watch needs vllm_fleet_replica_secret on "
+            f"{', '.join(unkeyed)} (in vault, the same on every node of the replica): "
+            "without it a stranger on the watch port could end the replica"
+        )
     untokened = [m["host"] for m in members if not _true(m.get("ray_token"))]
     if first.get("vllm_fleet_executor") == "ray" and untokened:
         problems.append(

@@ -167,6 +167,15 @@ collected:
   type: list
   elements: str
   sample: [/shared/models/.vllm-fleet/kimi/views/0123abcd/absent]
+skipped:
+  description:
+    - >-
+      Symlinks found where a view or sha directory belongs (O(state=collected)), left
+      alone and never followed: the toolkit makes none there.
+  returned: success
+  type: list
+  elements: str
+  sample: [/shared/models/.vllm-fleet/kimi/views/0123abcd/planted]
 referenced:
   description: View paths some host's kept releases or O(keep) reference (O(state=collected)).
   returned: success
@@ -175,11 +184,13 @@ referenced:
   sample: [/shared/models/.vllm-fleet/kimi/views/0123abcd/absent]
 """
 
+import errno
 import fcntl
 import glob
 import json
 import os
 import shutil
+import stat
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -193,6 +204,28 @@ REFS_DIR = ".refs"
 
 class ViewError(Exception):
     """A problem that stops the run; nothing was written after it was found."""
+
+
+# The views tree is on shared storage every node can write, and this runs as root: an
+# entry where the toolkit keeps a directory or file of its own is never followed.
+
+
+def own_dir(path: str, make: bool = True) -> str:
+    """``path`` as a real directory (made when absent, if ``make``); a symlink is refused."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        if not make:
+            return path
+        os.makedirs(path, mode=0o755, exist_ok=True)
+        st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        what = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a directory"
+        raise ViewError(
+            f"{path}: {what} where the toolkit keeps a directory of its own (it did not "
+            "make it, and it was not followed); remove it and rerun"
+        )
+    return path
 
 
 # --- lock ---------------------------------------------------------------------
@@ -210,8 +243,20 @@ class RootLock:
     def __enter__(self) -> RootLock:
         if not self.enabled:
             return self
-        os.makedirs(os.path.dirname(self.path), mode=0o755, exist_ok=True)
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        own_dir(os.path.dirname(self.path))
+        try:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            raise ViewError(
+                f"{self.path}: a symlink where the views lock belongs (the toolkit did not "
+                "make it, and it was not followed); remove it and rerun"
+            ) from None
+        if not stat.S_ISREG(os.fstat(self.fd).st_mode):
+            os.close(self.fd)
+            self.fd = None
+            raise ViewError(f"{self.path}: not a regular file; remove it and rerun")
         deadline = time.monotonic() + self.timeout
         while True:
             try:
@@ -369,7 +414,7 @@ def compare(view: str, wanted: Wanted, strict_real: bool) -> Changes:
 
 
 def write_file(path: str, data: bytes) -> None:
-    os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+    own_dir(os.path.dirname(path))
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(path))
     with os.fdopen(fd, "wb") as handle:
         handle.write(data)
@@ -450,6 +495,8 @@ def present(params: dict[str, Any], check_mode: bool) -> dict[str, Any]:
     sha = params["sha"] or str(manifest.get("sha") or "local")
     view = os.path.join(params["root"], sha, params["variant"])
     with RootLock(params["root"], params["lock_timeout"], check_mode):
+        for path in (params["root"], os.path.dirname(view), view):
+            own_dir(path, make=False)
         wanted = wanted_view(params, view, manifest)
         created = not os.path.isdir(view)
         if created:
@@ -509,14 +556,29 @@ def all_references(root: str, own_host: str, own: list[str]) -> set[str]:
     return refs
 
 
-def view_dirs(root: str) -> list[str]:
-    found = []
+def view_dirs(root: str) -> tuple[list[str], list[str]]:
+    """The real view directories under ``root``, and the symlinks found where a sha or
+    view directory belongs (never followed: the toolkit makes none there)."""
+    found: list[str] = []
+    links: list[str] = []
     for sha_dir in sorted(glob.glob(os.path.join(root, "*"))):
-        if os.path.isdir(sha_dir) and not os.path.basename(sha_dir).startswith("."):
+        if os.path.islink(sha_dir):
+            links.append(os.path.normpath(sha_dir))
+        elif os.path.isdir(sha_dir) and not os.path.basename(sha_dir).startswith("."):
             for view in sorted(glob.glob(os.path.join(sha_dir, "*"))):
-                if os.path.isdir(view) and not os.path.islink(view):
+                if os.path.islink(view) and os.path.isdir(view):
+                    links.append(os.path.normpath(view))
+                elif os.path.isdir(view) and not os.path.islink(view):
                     found.append(os.path.normpath(view))
-    return found
+    return found, links
+
+
+def remove_view(view: str) -> None:
+    """Remove a real view directory: its links are unlinked, never followed (rmtree
+    works through directory file descriptors and refuses a symlink given to it)."""
+    if stat.S_ISLNK(os.lstat(view).st_mode):
+        raise ViewError(f"{view}: became a symlink during collection; not followed")
+    shutil.rmtree(view)
 
 
 def collected(params: dict[str, Any], check_mode: bool) -> dict[str, Any]:
@@ -530,7 +592,8 @@ def collected(params: dict[str, Any], check_mode: bool) -> dict[str, Any]:
     with RootLock(root, params["lock_timeout"], check_mode):
         refs = all_references(root, params["host"], own)
         refs.update(os.path.normpath(p) for p in params["keep"])
-        doomed = [v for v in view_dirs(root) if v not in refs]
+        views, skipped = view_dirs(root)
+        doomed = [v for v in views if v not in refs]
         try:
             old_refs = read_bytes(ref_path, "references") if os.path.exists(ref_path) else b""
         except ViewError:
@@ -539,10 +602,15 @@ def collected(params: dict[str, Any], check_mode: bool) -> dict[str, Any]:
         if changed and not check_mode:
             write_file(ref_path, ref_bytes)
             for view in doomed:
-                shutil.rmtree(view)
+                remove_view(view)
                 if not os.listdir(os.path.dirname(view)):
                     os.rmdir(os.path.dirname(view))
-    return {"changed": changed, "collected": doomed, "referenced": sorted(refs)}
+    return {
+        "changed": changed,
+        "collected": doomed,
+        "skipped": skipped,
+        "referenced": sorted(refs),
+    }
 
 
 def main() -> None:
@@ -582,6 +650,8 @@ def main() -> None:
         module.fail_json(msg=f"{exc.filename or params['root']}: {exc.strerror}")
     if not module._diff:
         result.pop("diff", None)
+    for link in result.get("skipped", []):
+        module.warn(f"{link}: a symlink under the views tree, not made by the toolkit: skipped")
     module.exit_json(**result)
 
 

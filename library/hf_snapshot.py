@@ -272,6 +272,32 @@ removed:
   returned: mode is download
   type: list
   elements: str
+strays:
+  description:
+    - With O(verify=full), files in O(local_dir) that the listing lacks and no download
+      recorded (without it such files fail the run). A download moves them aside.
+  returned: mode is plan or download
+  type: list
+  elements: str
+findings:
+  description:
+    - With O(verify=full), one record per bad file, for a report of what was wrong.
+    - Keys path, problem (content, truncated, size, missing, extra), algorithm (sha256,
+      git-sha1), expected_digest, actual_digest, expected_size, actual_size.
+  returned: mode is plan or download
+  type: list
+  elements: dict
+set_aside:
+  description: The RV(strays) this run moved out of O(local_dir) into RV(set_aside_dir).
+  returned: mode is download
+  type: list
+  elements: str
+set_aside_dir:
+  description:
+    - Where the RV(strays) now are, C(state_dir/set-aside/<sha12>-<ns>/); V(null) when none.
+    - Moved, not deleted (nobody recorded them); not left (vLLM would load a stray shard).
+  returned: mode is download
+  type: str
 transports:
   description: Transports used for the fetched files (http, xet).
   returned: mode is download
@@ -301,8 +327,8 @@ verified:
   returned: mode is download or verify
   type: str
 elapsed_s:
-  description: Seconds spent.
-  returned: mode is download
+  description: Seconds spent (hashing included).
+  returned: mode is plan or download
   type: float
 rate_bytes_per_s:
   description: Average download rate of this run.
@@ -353,6 +379,8 @@ hub_version:
   returned: mode is plan and O(hub_version) is set
 """
 
+import time
+
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.hf_download import (
     DownloadError,
@@ -391,9 +419,11 @@ def build_options(params: dict) -> Options:
 
 
 def plan_result(opts: Options, diff: bool) -> dict:
+    started = time.monotonic()
     plan = make_plan(opts)
     check_space(opts, plan)
     result = plan_summary(plan)
+    result["elapsed_s"] = round(time.monotonic() - started, 2)
     result["changed"] = not plan.complete
     if diff and not plan.complete:
         todo = [f"{e.path} ({plan.status[e.path]})" for e in plan.to_fetch]

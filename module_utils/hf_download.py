@@ -32,6 +32,7 @@ import re
 import shutil
 import socket
 import stat
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -99,6 +100,10 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     extras: list[str] = field(default_factory=list)
     hashed: int = 0
+    # verify=full only: files no download recorded (reported, moved aside by a download)
+    # and one finding per bad file (path, problem, expected and actual digest and size).
+    strays: list[str] = field(default_factory=list)
+    findings: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def to_fetch(self) -> list[Entry]:
@@ -110,7 +115,7 @@ class Plan:
 
     @property
     def complete(self) -> bool:
-        return not self.extras and all(s == "ok" for s in self.status.values())
+        return not (self.extras or self.strays) and all(s == "ok" for s in self.status.values())
 
 
 # --- environment and hub ---------------------------------------------------------------
@@ -301,11 +306,51 @@ def check_names(base: str, paths: list[str], where: str) -> None:
 def check_listing_names(opts: Options, sha: str, entries: list[Entry]) -> None:
     where = f"the hub listing of {opts.repo_id}@{sha}"
     paths = [e.path for e in entries]
+    own_dir(os.path.join(opts.state_dir, "partial"), make=False)
+    own_dir(partial_dir(opts, sha), make=False)
     check_names(opts.local_dir, paths, where)
     check_names(partial_dir(opts, sha), [p + ".part" for p in paths], where)
 
 
 # --- local state -------------------------------------------------------------------------
+# The state dir is on shared storage that every node can write, and this runs as root:
+# an entry the toolkit makes is never reached through a symlink someone else planted.
+
+
+def own_dir(path: str, make: bool = True) -> str:
+    """``path`` as a real directory (made when absent, if ``make``); a symlink or file
+    there is refused, naming it."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        if not make:
+            return path
+        os.makedirs(path, exist_ok=True)
+        st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        what = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a directory"
+        raise DownloadError(
+            f"Refusing {path}: {what} where the toolkit keeps a directory of its own (someone "
+            "else made it; it was not followed). Remove it and rerun."
+        )
+    return path
+
+
+def open_own(path: str, flags: int, mode: int = 0o644) -> int:
+    """os.open of a regular file the toolkit keeps, never through a symlink at ``path``."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except OSError as err:
+        if err.errno != errno.ELOOP:
+            raise
+        raise DownloadError(
+            f"Refusing {path}: a symlink where the toolkit keeps a file of its own (someone "
+            "else made it; it was not followed). Remove it and rerun."
+        ) from err
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise DownloadError(f"Refusing {path}: not a regular file. Remove it and rerun.")
+    return fd
 
 
 def manifest_path(opts: Options) -> str:
@@ -388,28 +433,39 @@ def hash_file(path: str, algorithm: str) -> str:
     return digest.hexdigest()
 
 
-def hash_many(opts: Options, entries: list[Entry], base: str) -> list[str | None]:
-    """Digests of ``base/<path>`` by each entry's algorithm, in parallel (None: unreadable)."""
+def hash_many(opts: Options, entries: list[Entry], base: str, tick: Any = None) -> list[str | None]:
+    """Digests of ``base/<path>`` by each entry's algorithm, in parallel (None: unreadable).
+
+    ``tick(nbytes)`` (optional) is called after each file, from the worker threads.
+    """
 
     def one(entry: Entry) -> str | None:
         try:
             return hash_file(os.path.join(base, entry.path), entry.reference()[0])
         except OSError:
             return None
+        finally:
+            if tick is not None:
+                tick(entry.size)
 
     with ThreadPoolExecutor(max(1, opts.hash_workers)) as pool:
         return list(pool.map(one, entries))
 
 
 def assess(
-    opts: Options, entries: list[Entry], manifest: dict[str, Any]
+    opts: Options,
+    entries: list[Entry],
+    manifest: dict[str, Any],
+    actual: dict[str, str | None] | None = None,
+    tick: Any = None,
 ) -> tuple[dict[str, str], dict[str, str], int]:
     """Classify each file: one stat each; hash only files whose stamp is not the recorded one.
 
     A record is trusted only when its stamp equals the file's and its digest equals the
     listing's (so a record of another commit proves a file the new commit did not change).
     Returns (status, digests, hashed): status is ok | missing | size | corrupt | unproven
-    (quick mode: would need hashing); digests are the proved ones.
+    (quick mode: would need hashing); digests are the proved ones. ``actual`` (optional)
+    receives the digest found of each hashed file, for a report of what was wrong.
     """
     recorded = manifest.get("files", {})
     status: dict[str, str] = {}
@@ -430,7 +486,10 @@ def assess(
             status[entry.path] = "unproven"
         else:
             to_hash.append(entry)
-    for entry, digest in zip(to_hash, hash_many(opts, to_hash, opts.local_dir), strict=True):
+    hashed = hash_many(opts, to_hash, opts.local_dir, tick)
+    for entry, digest in zip(to_hash, hashed, strict=True):
+        if actual is not None:
+            actual[entry.path] = digest
         good = digest == entry.reference()[1]
         status[entry.path] = "ok" if good else "corrupt"
         if good:
@@ -448,16 +507,25 @@ def local_files(base: str) -> list[str]:
     return sorted(found)
 
 
-def find_extras(opts: Options, entries: list[Entry], manifest: dict[str, Any]) -> list[str]:
+def find_extras(
+    opts: Options,
+    entries: list[Entry],
+    manifest: dict[str, Any],
+    strays: list[str] | None = None,
+) -> list[str]:
     """Files in the checkpoint that the listing lacks: left by an earlier commit.
 
     Only files an earlier download recorded are removed later; anything else is
-    refused (it may be someone's data, and nothing is deleted on a guess).
+    refused (it may be someone's data, and nothing is deleted on a guess); with
+    ``strays`` (a verify) they are put there instead, for the verify to report.
     """
     listed = {e.path for e in entries}
     extras = [p for p in local_files(opts.local_dir) if p not in listed]
     known = set(manifest.get("files", {}))
     unknown = [p for p in extras if p not in known]
+    if unknown and strays is not None:
+        strays.extend(unknown)
+        return [p for p in extras if p in known]
     if unknown:
         more = f" (+{len(unknown) - 10} more)" if len(unknown) > 10 else ""
         raise DownloadError(
@@ -484,15 +552,23 @@ def human(n: float) -> str:
     return f"{n:.1f} TB"
 
 
-def make_plan(opts: Options) -> Plan:
-    """Resolve and list, validate every name, then compare the disk with the listing."""
+def make_plan(opts: Options, report_hashing: bool = False) -> Plan:
+    """Resolve and list, validate every name, then compare the disk with the listing.
+
+    ``report_hashing``: a full verify writes its hashing progress to progress.json (the
+    download job, which a wait task follows; never a plan, which may be check mode).
+    """
     raw = read_manifest(opts)
     manifest = load_manifest(opts)
     same_rev = raw.get("revision") == opts.revision
     sha, entries, notes = resolve_and_list(opts, raw.get("sha") if same_rev else None, manifest)
     check_listing_names(opts, sha, entries)
-    status, digests, hashed = assess(opts, entries, manifest)
-    extras = find_extras(opts, entries, raw)
+    full = opts.verify == "full"
+    actual: dict[str, str | None] = {}
+    strays: list[str] = []
+    with HashProgress(opts, entries, report_hashing) as tick:
+        status, digests, hashed = assess(opts, entries, manifest, actual, tick)
+    extras = find_extras(opts, entries, raw, strays if full else None)
     partial = 0
     for entry in entries:
         if status[entry.path] in REFETCH:
@@ -500,8 +576,142 @@ def make_plan(opts: Options) -> Plan:
                 partial += min(os.path.getsize(partial_path(opts, sha, entry.path)), entry.size)
     plan = Plan(sha, entries, status, digests, partial, free_bytes(opts.local_dir), notes=notes)
     plan.extras, plan.hashed = extras, hashed
+    if full:
+        plan.strays = strays
+        plan.findings = findings(opts, entries, status, actual, strays)
     plan.recorded = bool(manifest.get("complete")) and manifest.get("sha") == sha and not hashed
     return plan
+
+
+def findings(
+    opts: Options,
+    entries: list[Entry],
+    status: dict[str, str],
+    actual: dict[str, str | None],
+    strays: list[str],
+) -> list[dict[str, Any]]:
+    """One record per bad file of a full verify: what the listing says and what is there."""
+    problems = {"missing": "missing", "size": "truncated", "corrupt": "content"}
+    found: list[dict[str, Any]] = []
+    for entry in entries:
+        problem = problems.get(status[entry.path])
+        if problem is None:
+            continue
+        algorithm, want = entry.reference()
+        full = os.path.join(opts.local_dir, entry.path)
+        stamp = stat_stamp(full)
+        got = actual.get(entry.path)
+        if problem == "truncated":
+            with contextlib.suppress(OSError):
+                got = hash_file(full, algorithm)
+            if stamp is not None and stamp["size"] > entry.size:
+                problem = "size"  # longer than listed: not truncated, still wrong
+        found.append(
+            {
+                "path": entry.path,
+                "problem": problem,
+                "algorithm": algorithm,
+                "expected_digest": want,
+                "actual_digest": got,
+                "expected_size": entry.size,
+                "actual_size": None if stamp is None else stamp["size"],
+            }
+        )
+    for path in strays:
+        stamp = stat_stamp(os.path.join(opts.local_dir, path))
+        found.append(
+            {
+                "path": path,
+                "problem": "extra",
+                "algorithm": None,
+                "expected_digest": None,
+                "actual_digest": None,
+                "expected_size": None,
+                "actual_size": None if stamp is None else stamp["size"],
+            }
+        )
+    return found
+
+
+def set_aside(opts: Options, sha: str, paths: list[str]) -> str:
+    """Move files the listing does not name out of the checkpoint, into the state dir.
+
+    Not deleted: nobody recorded them, so they may be someone's data; not left: a
+    stray ``*.safetensors`` in the checkpoint is loaded by vLLM's glob. A rename on
+    the same storage costs no copy. Returns the directory they are now in.
+    """
+    where = os.path.join(
+        own_dir(os.path.join(opts.state_dir, "set-aside")), f"{sha[:12]}-{time.time_ns()}"
+    )
+    for path in paths:
+        target = os.path.join(where, path)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        os.replace(os.path.join(opts.local_dir, path), target)
+        remove_file(opts.local_dir, path)  # gone already: this removes its emptied parents
+    return where
+
+
+class HashProgress:
+    """progress.json while a full verify hashes (files and bytes hashed), once a second.
+
+    Only for a download with ``verify=full``: the run that hashes every file of a large
+    checkpoint, which takes minutes; other runs hash little and write nothing here.
+    """
+
+    def __init__(self, opts: Options, entries: list[Entry], wanted: bool) -> None:
+        self.path = progress_path(opts)
+        self.active = wanted and opts.verify == "full" and os.path.isdir(opts.state_dir)
+        self.lock = threading.Lock()
+        self.files_total = len(entries)
+        self.bytes_total = sum(e.size for e in entries)
+        self.files_done = self.bytes_done = 0
+        self.started = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def tick(self, nbytes: int) -> None:
+        with self.lock:
+            self.files_done += 1
+            self.bytes_done += nbytes
+
+    def write(self) -> None:
+        elapsed = max(time.monotonic() - self.started, 1e-6)
+        rate = self.bytes_done / elapsed
+        left = self.bytes_total - self.bytes_done
+        with contextlib.suppress(OSError):
+            write_json_atomic(
+                self.path,
+                {
+                    "state": "hashing",
+                    "pid": os.getpid(),
+                    "files_done": self.files_done,
+                    "files_total": self.files_total,
+                    "bytes_done": self.bytes_done,
+                    "bytes_total": self.bytes_total,
+                    "rate_bytes_per_s": int(rate),
+                    "eta_s": int(left / rate) if rate > 0 else None,
+                    "elapsed_s": round(elapsed, 1),
+                    "error": "",
+                    "updated": time.time(),
+                },
+            )
+
+    def _loop(self) -> None:
+        while not self._stop.wait(1.0):
+            self.write()
+
+    def __enter__(self) -> Any:
+        if not self.active:
+            return None
+        self.write()
+        self._thread.start()
+        return self.tick
+
+    def __exit__(self, *exc: object) -> None:
+        if self.active:
+            self._stop.set()
+            self._thread.join()
+            self.write()
 
 
 def check_space(opts: Options, plan: Plan) -> None:
@@ -545,7 +755,7 @@ class DirLock:
         )
 
     def __enter__(self) -> DirLock:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_own(self.path, os.O_RDWR | os.O_CREAT)
         deadline = time.monotonic() + self.timeout
         while True:
             try:
@@ -645,10 +855,17 @@ class Progress:
 
 
 def write_json_atomic(path: str, data: Any) -> None:
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as fh:
-        json.dump(data, fh, indent=1, sort_keys=True)
-    os.replace(tmp, path)
+    # mkstemp: a new name (O_EXCL), so no link planted at a guessable one is written through.
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=os.path.dirname(path))
+    try:
+        os.fchmod(fd, 0o644)
+        with os.fdopen(fd, "w") as fh:
+            json.dump(data, fh, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def make_counter(progress: Progress) -> type:
@@ -752,27 +969,33 @@ def transfer(opts: Options, sha: str, entry: Entry, progress: Progress) -> Fetch
     if meta.size is not None and meta.size != entry.size:
         raise DownloadError(f"{entry.path}: hub says {meta.size} bytes, listing says {entry.size}")
     part = partial_path(opts, sha, entry.path)
+    own_dir(os.path.join(opts.state_dir, "partial"))
+    own_dir(partial_dir(opts, sha))
     os.makedirs(os.path.dirname(part), exist_ok=True)
+    hub = hub_origin(opts)
     headers = build_hf_headers(token=opts.token or None)
     algorithm = entry.reference()[0]
     if meta.xet_file_data is not None and opts.transport != "http" and xet_importable():
-        return transfer_xet(entry, part, meta.xet_file_data, headers, progress)
+        # The library sends these to the Xet token route and strips them for storage.
+        xet_headers = headers_for(meta.xet_file_data.refresh_route or "", headers, hub)
+        return transfer_xet(entry, part, meta.xet_file_data, xet_headers, progress)
     resume = os.path.getsize(part) if os.path.exists(part) else 0
     if resume > entry.size:
         os.truncate(part, 0)
         resume = 0
     # Unbuffered: each chunk is one write(2), hashed from the same buffer.
-    with open(part, "ab", buffering=0) as fh:
+    with os.fdopen(open_own(part, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab", 0) as fh:
         writer = HashingWriter(fh, part, algorithm, entry.size)
         writer.prefill(resume)
         if resume < entry.size and direct_http(meta.location):
-            stream_get(meta.location, headers, writer, entry, progress, opts.chunk_bytes)
+            stream_get(meta.location, headers, writer, entry, progress, opts.chunk_bytes, hub)
         elif resume < entry.size:  # behind a proxy: the library's GET
+            # httpx drops Authorization on a cross-origin hop; the first request is ours.
             http_get(
                 meta.location,
                 writer,  # type: ignore[arg-type]
                 resume_size=resume,
-                headers=headers,
+                headers=headers_for(meta.location, headers, hub),
                 expected_size=entry.size,
                 tqdm_class=make_counter(progress),
             )
@@ -782,8 +1005,9 @@ def transfer(opts: Options, sha: str, entry: Entry, progress: Progress) -> Fetch
 # --- the plain-HTTP stream --------------------------------------------------------------
 # huggingface_hub's http_get parses every body byte in Python (httpx and h11): on a
 # 2-core node it spends 4 to 5 times the CPU of http.client reading straight into one
-# reused buffer (measured, bench/download). Metadata, auth and redirects to the file's
-# location stay with the library; only the body is streamed here. Behind a proxy the
+# reused buffer (measured, bench/download). Metadata and redirects to the file's
+# location stay with the library; only the body is streamed here, its Authorization sent
+# to the hub endpoint's origin alone (headers_for), as the library sends it. Behind a proxy the
 # library's http_get is used (http.client does not read the proxy environment).
 
 STREAM_ATTEMPTS = 5
@@ -794,6 +1018,37 @@ REDIRECTS = (301, 302, 303, 307, 308)
 
 class Transient(Exception):
     """A failure worth another attempt from the bytes already kept."""
+
+
+Origin = tuple[str, str, int]
+DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def url_origin(url: str) -> Origin:
+    """(scheme, host, port), the default port filled in: huggingface_hub's _url_origin."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    return (scheme, (parts.hostname or "").lower(), parts.port or DEFAULT_PORTS.get(scheme, 0))
+
+
+def hub_origin(opts: Options) -> Origin:
+    """The one origin the token is for: the endpoint's (the library's default without one)."""
+    from huggingface_hub import constants
+
+    return url_origin(opts.endpoint or constants.ENDPOINT)
+
+
+def headers_for(url: str, headers: dict[str, str], hub: Origin) -> dict[str, str]:
+    """``headers`` for a request to ``url``: without Authorization unless it is the hub's.
+
+    Stricter than huggingface_hub, which also trusts huggingface.co and hf.co behind a
+    mirror: a CDN's signed URL needs no token, and S3-style ones refuse a request with both.
+    """
+    if url_origin(url) == hub:
+        return headers
+    return {k: v for k, v in headers.items() if k.lower() != "authorization"}
 
 
 def direct_http(url: str) -> bool:
@@ -829,13 +1084,14 @@ def tls_context(cafile: str | None) -> Any:
     return ssl.create_default_context(cafile=cafile)
 
 
-def open_stream(url: str, headers: dict[str, str], timeout: float) -> tuple[Any, Any]:
-    """GET ``url``, following redirects (no Authorization to another host)."""
+def open_stream(url: str, headers: dict[str, str], timeout: float, hub: Origin) -> tuple[Any, Any]:
+    """GET ``url``, following redirects hop by hop: Authorization goes only to the hub's
+    origin, and never again once a hop has left it."""
     import http.client
     from urllib.parse import urljoin, urlsplit
 
-    headers = dict(headers)
     for _hop in range(10):
+        headers = headers_for(url, headers, hub)
         parts = urlsplit(url)
         if parts.scheme == "https":
             cafile = os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("SSL_CERT_FILE")
@@ -856,10 +1112,7 @@ def open_stream(url: str, headers: dict[str, str], timeout: float) -> tuple[Any,
         conn.close()
         if not location:
             break
-        nxt = urljoin(url, location)
-        if urlsplit(nxt).netloc != parts.netloc:
-            headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
-        url = nxt
+        url = urljoin(url, location)
     raise DownloadError(f"{shown_url(url)}: too many redirects, or one without a Location")
 
 
@@ -871,6 +1124,7 @@ def stream_attempt(
     progress: Progress,
     buf: bytearray,
     timeout: float,
+    hub: Origin,
 ) -> None:
     """One GET from the bytes the partial file already has to the end of the file."""
     import http.client
@@ -878,7 +1132,7 @@ def stream_attempt(
     have = writer.tell()
     ranged = dict(headers, **({"Range": f"bytes={have}-"} if have else {}))
     try:
-        conn, resp = open_stream(url, ranged, timeout)
+        conn, resp = open_stream(url, ranged, timeout, hub)
     except (OSError, http.client.HTTPException) as err:
         raise Transient(f"{type(err).__name__}: {err}") from err
     try:
@@ -923,15 +1177,17 @@ def stream_get(
     entry: Entry,
     progress: Progress,
     chunk_bytes: int,
+    hub: Origin,
 ) -> None:
-    """Stream the rest of ``entry`` into ``writer``; transient failures resume by Range."""
+    """Stream the rest of ``entry`` into ``writer``; transient failures resume by Range.
+    ``hub``: the only origin that gets ``headers``' Authorization."""
     from huggingface_hub import constants
 
     buf = bytearray(max(chunk_bytes, 64 << 10))
     timeout = float(constants.HF_HUB_DOWNLOAD_TIMEOUT)
     for attempt in range(1, STREAM_ATTEMPTS + 1):
         try:
-            stream_attempt(url, headers, writer, entry, progress, buf, timeout)
+            stream_attempt(url, headers, writer, entry, progress, buf, timeout, hub)
             return
         except Transient as err:
             if attempt == STREAM_ATTEMPTS:
@@ -1124,6 +1380,8 @@ def plan_summary(plan: Plan) -> dict[str, Any]:
         "extra": plan.extras[:50],
         "hashed": plan.hashed,
         "notes": plan.notes,
+        "strays": plan.strays,
+        "findings": plan.findings,
     }
 
 
@@ -1133,7 +1391,8 @@ def download(opts: Options) -> dict[str, Any]:
     os.makedirs(opts.state_dir, exist_ok=True)
     opts.quick = False  # the download proves every file it keeps
     with DirLock(opts):
-        plan = make_plan(opts)  # after the lock: a concurrent run may have finished it
+        # After the lock: a concurrent run may have finished it.
+        plan = make_plan(opts, report_hashing=True)
         check_space(opts, plan)
         summary = plan_summary(plan)
         started = time.monotonic()
@@ -1141,6 +1400,7 @@ def download(opts: Options) -> dict[str, Any]:
         with progress:
             for path in plan.extras:
                 remove_file(opts.local_dir, path)  # recorded by an earlier commit, gone now
+            aside = set_aside(opts, plan.sha, plan.strays) if plan.strays else None
             os.makedirs(opts.local_dir, exist_ok=True)
             results = fetch_all(opts, plan, progress) if plan.to_fetch else []
             digests = dict(plan.digests)
@@ -1153,11 +1413,13 @@ def download(opts: Options) -> dict[str, Any]:
         return {
             **summary,
             "complete": True,
-            "changed": bool(results or plan.extras),
+            "changed": bool(results or plan.extras or plan.strays),
             "fetched": sorted(r.path for r in results),
             "fetched_bytes": progress.fetched_bytes,
             "resumed": sorted(r.path for r in results if r.resumed_from),
             "removed": plan.extras,
+            "set_aside": plan.strays,
+            "set_aside_dir": aside,
             "transports": sorted({r.transport for r in results}),
             "verified": "digest",
             "elapsed_s": round(elapsed, 2),
@@ -1291,8 +1553,8 @@ def start_job(opts: Options, timeout_s: int) -> dict[str, Any]:
     module run and the connection; one module run both plans and starts (no second
     AnsiballZ round trip). wait_progress follows the results file.
     """
-    jobs = os.path.join(opts.state_dir, "jobs")
-    os.makedirs(jobs, exist_ok=True)
+    os.makedirs(opts.state_dir, exist_ok=True)
+    jobs = own_dir(os.path.join(opts.state_dir, "jobs"))
     for name in os.listdir(jobs):  # earlier runs' files; a running job holds the lock anyway
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(jobs, name))

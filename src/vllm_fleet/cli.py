@@ -2,7 +2,8 @@
 
 Exit codes: 0 success; 1 a host failed or was unreachable (the summary names
 host, task and diagnosis); 2 bad arguments (nothing ran); 3 Ansible could not
-run the play (syntax or configuration error); 130 interrupted.
+run the play (syntax or configuration error); 4 ``verify --check`` found a bad,
+missing or extra file (each is listed; nothing was changed); 130 interrupted.
 """
 
 from __future__ import annotations
@@ -33,9 +34,17 @@ from vllm_fleet.runner import (
     run_playbook,
     secrets_in,
 )
-from vllm_fleet.summary import status_object, status_text, summary_object, summary_text
+from vllm_fleet.summary import (
+    status_object,
+    status_text,
+    summary_object,
+    summary_text,
+    verify_reports,
+)
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+# As sha256sum -c: the run worked and found files that do not match.
+EXIT_BAD_FILES = 4
 PLAYBOOKS = {
     "deploy": "deploy.yml",
     "rollback": "rollback.yml",
@@ -199,6 +208,18 @@ def exit_code_for(model: FleetModel, result: RunResult) -> int:
     return EXIT_ERROR
 
 
+def verify_exit_code(model: FleetModel, code: int, check: bool) -> int:
+    """--check: EXIT_BAD_FILES when a domain has a bad file; a repair must leave none unmended."""
+    if code != EXIT_OK:
+        return code
+    reports = verify_reports(model).values()
+    if check and any(report["bad"] for report in reports):
+        return EXIT_BAD_FILES
+    if not check and any(report["bad"] and not report["repaired"] for report in reports):
+        return EXIT_FAILED
+    return EXIT_OK
+
+
 def header_for(args: argparse.Namespace, request: RunRequest, hosts: list[str]) -> dict[str, Any]:
     return {
         "command": args.command,
@@ -234,6 +255,8 @@ def run_command(
     finally:
         renderer.close()
     code = exit_code_for(model, result)
+    if args.command == "verify":
+        code = verify_exit_code(model, code, request.check)
     probe = args.command in ("deploy", "rollback") and not (request.check or args.no_status)
     if probe and code != EXIT_INTERRUPTED:
         _merge_status(request, model, redactor, run, stdout, args.json)

@@ -43,6 +43,8 @@ PROGRESS_KEY = "vllm_fleet_progress"
 NODE_KEY = "vllm_fleet_node"
 # What a router host reports (playbooks/status.yml): the fleet endpoint.
 ROUTER_KEY = "vllm_fleet_router"
+# What a full verify found on a storage domain (the model_download role's fact).
+VERIFY_KEY = "model_download_verify_report"
 RESULT_EVENTS = {
     "runner_on_ok": "ok",
     "runner_on_failed": "failed",
@@ -145,6 +147,7 @@ class HostState:
     failure: Failure | None = None
     node: dict[str, Any] = field(default_factory=dict)
     router: dict[str, Any] = field(default_factory=dict)
+    verify: dict[str, Any] = field(default_factory=dict)
 
     @property
     def duration(self) -> float | None:
@@ -248,6 +251,9 @@ class FleetModel:
         router = _find_key(res, ROUTER_KEY)
         if isinstance(router, dict):
             state.router.update(router)
+        verify = _find_key(res, VERIFY_KEY)
+        if isinstance(verify, dict):
+            state.verify = dict(verify)
         record: dict[str, Any] = {
             "type": "task_result",
             "host": state.name,
@@ -407,7 +413,8 @@ def _download_snapshot(res: dict[str, Any]) -> Progress | None:
             and ("files_done" in candidate or "bytes_done" in candidate)
         ):
             return Progress(
-                kind="download",
+                # A full verify's job hashes every file before it fetches any.
+                kind="verify" if candidate.get("state") == "hashing" else "download",
                 done=_number(candidate.get("files_done")),
                 total=_number(candidate.get("files_total")),
                 bytes_done=_number(candidate.get("bytes_done")),

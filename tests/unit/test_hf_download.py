@@ -11,6 +11,7 @@ import subprocess
 import sys
 from importlib.metadata import version
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,6 +25,7 @@ from tests.support.ansible_module import (
     patch_ansible_module,
     run_module,
 )
+from tests.support.hub_server import HubServer, commit_files
 
 __all__ = ["patch_ansible_module"]  # the autouse fixture, re-exported for pytest
 
@@ -408,3 +410,138 @@ def test_one_tls_context_serves_every_file_per_ca_bundle() -> None:
     first = hd.tls_context(None)
     assert hd.tls_context(None) is first  # built once, not per file (CA bundle load)
     assert first.verify_mode.name == "CERT_REQUIRED" and first.check_hostname
+
+
+# --- the hub token goes to the hub's host only -------------------------------------------
+
+TOKEN = "hf_" + "tokenthatmuststayonthehub0123"
+
+
+@pytest.fixture
+def cdn_hub(tmp_path: Path) -> Any:
+    """Our hub at 127.0.0.1 sending every file body to a CDN of ours at 127.0.0.2 (another
+    host name), which answers with one more redirect on its own host before the bytes."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "model.safetensors").write_bytes(os.urandom(300_000))
+    (src / "config.json").write_text('{"x": 1}\n')
+    commit_files(tmp_path / "hub" / "org" / "model", src)
+    with HubServer(tmp_path / "hub") as hub, HubServer(tmp_path / "hub", host="127.0.0.2") as cdn:
+        hub.add_fault(kind="redirect", method="*", target=cdn.endpoint)
+        cdn.add_fault(kind="redirect", method="*", target=cdn.endpoint, times=2)
+        yield hub, cdn, src
+
+
+def assert_token_stayed_on_the_hub(hub: HubServer, cdn: HubServer) -> None:
+    cdn_gets = cdn.requests("GET")
+    assert {r.file for r in cdn_gets if r.status in (200, 206)} == {
+        "model.safetensors",
+        "config.json",
+    }
+    assert len(cdn_gets) >= 4  # both files, each through a redirect on the CDN's host
+    leaked = [(r.method, r.path) for r in cdn.requests() if r.auth]
+    assert not leaked, f"the token reached the CDN host: {leaked}"
+    assert hub.requests() and all(r.auth == f"Bearer {TOKEN}" for r in hub.requests())
+
+
+@pytest.mark.parametrize("path", ["stream", "library GET (behind a proxy)"])
+def test_the_token_never_reaches_the_host_a_file_body_redirects_to(
+    tmp_path: Path, cdn_hub: Any, monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
+    hub, cdn, src = cdn_hub
+    if path != "stream":
+        monkeypatch.setattr(hd, "direct_http", lambda url: False)  # the proxy branch
+    o = opts(tmp_path, endpoint=hub.endpoint, token=TOKEN, space_margin_bytes=0)
+    result = hd.download(o)
+    assert result["complete"] and result["fetched"] == ["config.json", "model.safetensors"]
+    for name in ("model.safetensors", "config.json"):
+        assert (Path(o.local_dir) / name).read_bytes() == (src / name).read_bytes(), name
+    assert_token_stayed_on_the_hub(hub, cdn)
+
+
+def test_the_hub_client_itself_keeps_the_token_off_the_redirect_host(
+    tmp_path: Path, cdn_hub: Any
+) -> None:
+    # The behaviour the toolkit matches, and proof the server's redirect is a real one.
+    from huggingface_hub import snapshot_download
+
+    hub, cdn, src = cdn_hub
+    out = snapshot_download(
+        "org/model", endpoint=hub.endpoint, token=TOKEN, local_dir=tmp_path / "d"
+    )
+    assert (Path(out) / "model.safetensors").read_bytes() == (
+        src / "model.safetensors"
+    ).read_bytes()
+    assert_token_stayed_on_the_hub(hub, cdn)
+
+
+@pytest.mark.parametrize(
+    ("url", "kept"),
+    [
+        ("http://127.0.0.1:8000/org/m/resolve/x/f", True),
+        ("HTTP://127.0.0.1:8000/other", True),  # scheme and host compare case-blind
+        ("http://127.0.0.1:8001/org/m/resolve/x/f", False),  # another port
+        ("https://127.0.0.1:8000/f", False),  # another scheme
+        ("http://localhost:8000/f", False),  # another host name for the same address
+        ("http://127.0.0.2:8000/f", False),
+    ],
+)
+def test_authorization_goes_to_the_hub_origin_only(url: str, kept: bool) -> None:
+    hub = hd.url_origin("http://127.0.0.1:8000/")
+    headers = {"authorization": f"Bearer {TOKEN}", "user-agent": "x"}
+    sent = hd.headers_for(url, headers, hub)
+    assert ("authorization" in sent) is kept and sent["user-agent"] == "x"
+    assert hd.url_origin("https://huggingface.co") == hd.url_origin("https://HuggingFace.co:443/")
+
+
+# --- no link planted in the shared state dir is followed ----------------------------------
+
+
+@pytest.fixture
+def outside(tmp_path: Path) -> Path:
+    """A file and a directory outside the state dir that a planted link points at."""
+    (tmp_path / "outside" / "dir").mkdir(parents=True)
+    (tmp_path / "outside" / "dir" / "precious").write_text("keep me\n")
+    (tmp_path / "outside" / "file").write_text("keep me\n")
+    return tmp_path / "outside"
+
+
+def test_a_symlink_at_the_lock_path_is_refused_naming_it(tmp_path: Path, outside: Path) -> None:
+    o = opts(tmp_path)
+    Path(o.state_dir).mkdir()
+    (Path(o.state_dir) / "download.lock").symlink_to(outside / "file")
+    with pytest.raises(hd.DownloadError) as err, hd.DirLock(o):
+        pass
+    assert f"Refusing {o.state_dir}/download.lock: a symlink" in str(err.value)
+    assert (outside / "file").read_text() == "keep me\n"
+
+
+def test_a_link_planted_at_a_temp_file_name_is_not_written_through(
+    tmp_path: Path, outside: Path
+) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    # The names a writer could guess: the pid-suffixed one, and mkstemp's prefix.
+    (state / f"manifest.json.{os.getpid()}.tmp").symlink_to(outside / "file")
+    hd.write_json_atomic(str(state / "manifest.json"), {"a": 1})
+    assert json.loads((state / "manifest.json").read_text()) == {"a": 1}
+    assert not (state / "manifest.json").is_symlink()
+    assert (outside / "file").read_text() == "keep me\n"
+
+
+@pytest.mark.parametrize("name", ["jobs", "partial", "set-aside"])
+def test_a_symlinked_state_directory_is_refused_and_nothing_outside_changes(
+    tmp_path: Path, outside: Path, name: str
+) -> None:
+    o = opts(tmp_path, endpoint="http://127.0.0.1:9")
+    Path(o.state_dir).mkdir()
+    (Path(o.state_dir) / name).symlink_to(outside / "dir")
+    with pytest.raises(hd.DownloadError) as err:
+        if name == "jobs":
+            hd.start_job(o, timeout_s=5)
+        elif name == "set-aside":
+            hd.set_aside(o, "a" * 40, ["x"])
+        else:  # the plan's name check, before anything is written
+            hd.check_listing_names(o, "a" * 40, [hd.Entry("config.json", 1, "0" * 40)])
+    assert f"Refusing {o.state_dir}/{name}: a symlink" in str(err.value)
+    assert sorted(p.name for p in (outside / "dir").iterdir()) == ["precious"]

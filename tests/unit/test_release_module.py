@@ -482,3 +482,36 @@ def test_every_secret_the_env_template_writes_is_redacted_in_a_release() -> None
     secrets = yaml.safe_load((root / "roles/vllm_release/vars/main.yml").read_text())
     assert written >= {"VLLM_API_KEY", "HF_TOKEN", "RAY_AUTH_TOKEN"}
     assert written <= set(secrets["__vllm_release_secrets"]), written
+
+
+def test_a_release_is_fsynced_file_by_file_and_dir_by_dir_before_the_switch(
+    node: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Power loss cannot be simulated here; what must reach the disk, and when, can be read.
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src: str, dst: str) -> None:
+        events.append(("replace", str(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(vllm_release.os, "fsync", fsync)
+    monkeypatch.setattr(vllm_release.os, "replace", replace)
+    result = record(node)
+    root, release = node["root"], Path(result["release_dir"])
+    pointer = next(i for i, e in enumerate(events) if e == ("replace", str(root / "pointers.json")))
+    before = [path for kind, path in events[:pointer] if kind == "fsync"]
+    staged = {Path(p).name for p in before if Path(p).parent.name.startswith(".tmp-")}
+    assert staged == {p.name for p in release.iterdir()}, "every file of the release, synced"
+    assert any(Path(p).name.startswith(".tmp-") for p in before), "the release directory"
+    assert str(root) in before and str(root.parent) in before, "its parent, the new entry"
+    assert any(Path(p).name.startswith(".pointers.json.tmp-") for p in before), "the record"
+    after = [path for kind, path in events[pointer:] if kind == "fsync"]
+    assert str(root) in after, "the pointer record's directory, after the switch"
+    last = max(i for i, (kind, _) in enumerate(events) if kind == "replace")
+    assert events[last][1] != str(root / "pointers.json"), "the links follow the record"
+    assert ("fsync", str(root)) in events[last:], "the links' directory, after they switch"

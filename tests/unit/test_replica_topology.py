@@ -26,6 +26,7 @@ def member(host: str, replica: str = "", rank: Any = None, **values: Any) -> dic
         "vllm_fleet_tensor_parallel_size": 8,
         "vllm_fleet_pipeline_parallel_size": 2,
         "vllm_fleet_executor": "mp",
+        "replica_secret": True,
     }
     return {"host": host, "replica": replica, "rank": rank, **shared, **values}
 
@@ -84,6 +85,18 @@ def test_a_ray_replica_needs_the_ray_token_on_every_node() -> None:
     ]
     # vLLM's own launch (mp) needs none.
     assert topology.replica_problems([member("a", "r1", 0), member("b", "r1", 1)]) == []
+
+
+def test_a_replica_of_several_nodes_needs_the_watch_secret_on_every_node() -> None:
+    """Only whether one is set reaches the filter, never the secret."""
+    assert topology.replica_problems(
+        [member("a", "r1", 0), member("b", "r1", 1, replica_secret="False")]
+    ) == [
+        "replica r1: its watch needs vllm_fleet_replica_secret on b (in vault, the same on "
+        "every node of the replica): without it a stranger on the watch port could end the replica"
+    ]
+    # A replica of one node has no watch.
+    assert topology.replica_problems([member("a", "r1", 0, replica_secret=False)]) == []
 
 
 def test_ranks_must_cover_zero_to_the_node_count() -> None:

@@ -42,8 +42,10 @@ def render(tmp_path: Path, inventory: dict, limit: str = "all", **extra: Any) ->
     rules = out / "vllm-fleet.rules.yml"
     play = [{
         "hosts": "monitoring", "gather_facts": False, "connection": "local",
-        "vars_files": [str(ROLE / "defaults/main.yml")],
-        "vars": {"vllm_fleet_monitoring_port": 9090, "__monitoring_rules": str(rules)},
+        "vars_files": [str(ROLE / "defaults/main.yml"), str(ROLE / "vars/main.yml")],
+        "vars": {"vllm_fleet_monitoring_port": 9090,
+                 # Role vllm_fleet's default: the host's fleet address.
+                 "vllm_fleet_node_address": "{{ ansible_host | default(inventory_hostname) }}"},
         "tasks": [
             {"ansible.builtin.template": {
                 "src": str(ROLE / "templates/vllm-fleet.rules.yml.j2"), "dest": str(rules),
@@ -61,6 +63,8 @@ def render(tmp_path: Path, inventory: dict, limit: str = "all", **extra: Any) ->
          "-l", limit, "-e", f"ansible_python_interpreter={sys.executable}",
          # Above the role defaults (vars_files), as the inventory is above a role's defaults.
          "-e", json.dumps(extra),
+         # Above the role's vars (vars_files) too: the rules file is this test's.
+         "-e", json.dumps({"__monitoring_rules": str(rules)}),
          str(tmp_path / "play.yml")],
         capture_output=True, text=True, env=env, check=False,
     )  # fmt: skip
@@ -85,7 +89,8 @@ def test_targets_come_from_the_inventory_groups(tmp_path: Path, promtool: str) -
     assert targets(rendered["config"]) == {
         "vllm": {"10.0.0.11:8000": "gpu-a", "192.168.1.12:8100": "gpu-b", "gpu-c:8000": "gpu-c"},
         "vllm-router": {"10.0.0.10:29100": "router-1"},
-        "prometheus": {"127.0.0.1:9090": ""},
+        # Prometheus listens on its host's fleet address only, and scrapes itself there.
+        "prometheus": {"10.0.0.10:9090": ""},
     }
     assert rendered["config"]["global"]["scrape_interval"] == "15s"
     checked = subprocess.run(
@@ -116,7 +121,19 @@ def test_no_router_group_extra_scrape_configs_and_intervals(tmp_path: Path) -> N
 def test_an_empty_node_group_still_renders_valid_yaml(tmp_path: Path) -> None:
     inventory = {"monitoring": {"hosts": {"mon-1": {}}}}
     config = render(tmp_path, inventory)["config"]
-    assert targets(config) == {"vllm": {}, "prometheus": {"127.0.0.1:9090": ""}}
+    assert targets(config) == {"vllm": {}, "prometheus": {"mon-1:9090": ""}}
+
+
+def test_ipv6_addresses_are_bracketed(tmp_path: Path) -> None:
+    inventory = {
+        "gpu-nodes": {"hosts": {"gpu-a": {"vllm_fleet_node_address": "fd00::11"}}},
+        "monitoring": {"hosts": {"mon-1": {"ansible_host": "fd00::5"}}},
+    }
+    config = render(tmp_path, inventory)["config"]
+    assert targets(config) == {
+        "vllm": {"[fd00::11]:8000": "gpu-a"},
+        "prometheus": {"[fd00::5]:9090": ""},
+    }
 
 
 def test_a_replica_is_scraped_at_its_leader_only(tmp_path: Path) -> None:

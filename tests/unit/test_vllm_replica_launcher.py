@@ -1,4 +1,5 @@
-"""roles/vllm_service/files/vllm_replica.py: each node of a replica ends when another does.
+"""roles/vllm_service/files/vllm_replica.py: each node of a replica ends when another does,
+and a stranger on the watch port ends nothing.
 
 The watches run for real (processes, TCP on loopback); no vLLM is started: the
 process that would run the engine only sleeps, standing in for it.
@@ -6,6 +7,8 @@ process that would run the engine only sleeps, standing in for it.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import socket
 import subprocess
 import sys
@@ -14,6 +17,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCHER = ROOT / "roles/vllm_service/files/vllm_replica.py"
+KEY = "s3cret-of-r1"
+CHALLENGE = b"vllm-fleet-watch 1 "
 # Stands in for the engine: the launcher's watch thread, then a long sleep.
 STAND_IN = """
 import importlib.util, socket, sys, threading, time
@@ -48,15 +53,29 @@ def connect(port: int, timeout: float = 10) -> socket.socket:
             time.sleep(0.1)
 
 
+def answer(conn: socket.socket, hello: str, key: str = KEY) -> None:
+    """What a follower answers to the leader's challenge (the protocol, written out again)."""
+    line = conn.recv(256)
+    assert line.startswith(CHALLENGE) and line.endswith(b"\n"), line
+    nonce = bytes.fromhex(line[len(CHALLENGE) :].decode())
+    mac = hmac.new(key.encode(), CHALLENGE + nonce + b"\0" + hello.encode(), hashlib.sha256)
+    conn.sendall(f"{mac.hexdigest()} {hello}\n".encode())
+
+
+def leader_stand_in(port: int) -> subprocess.Popen[str]:
+    return stand_in(
+        f"server = socket.create_server(('127.0.0.1', {port}))\n"
+        "threading.Thread(target=replica.watch_followers, "
+        f"args=(server, {KEY.encode()!r}), daemon=True).start()"
+    )
+
+
 def test_the_leader_names_the_follower_that_went_and_exits_75() -> None:
     port = free_port()
-    leader = stand_in(
-        f"server = socket.create_server(('127.0.0.1', {port}))\n"
-        "threading.Thread(target=replica.watch_followers, args=(server,), daemon=True).start()"
-    )
+    leader = leader_stand_in(port)
     try:
         follower = connect(port)
-        follower.sendall(b"follower gpu-b (rank 1)\n")
+        answer(follower, "follower gpu-b (rank 1)")
         time.sleep(0.5)
         assert leader.poll() is None, "the leader ended while its follower was there"
         follower.close()
@@ -68,11 +87,65 @@ def test_the_leader_names_the_follower_that_went_and_exits_75() -> None:
     assert "follower gpu-b (rank 1) is gone: exiting (75) so that the replica restarts whole" in err
 
 
+def test_a_stranger_on_the_watch_port_ends_nothing_and_is_named_sanitised() -> None:
+    port = free_port()
+    leader = leader_stand_in(port)
+    try:
+        follower = connect(port)
+        answer(follower, "follower gpu-b (rank 1)")
+        for _ in range(3):
+            # Connect, send a forged hello, close.
+            with connect(port) as conn:
+                conn.sendall(b"follower gpu-z (rank 9)\nvllm-fleet replica: forged\x1b[2J\n")
+            # Connect and say nothing.
+            with connect(port):
+                pass
+            # Garbage, longer than a journal line may show.
+            with connect(port) as conn:
+                conn.sendall(bytes(range(256)) * 4)
+            # A right-looking answer with the wrong key.
+            with connect(port) as conn:
+                answer(conn, "follower gpu-b (rank 1)", key="not-the-key")
+                assert conn.recv(64) == b"", "the leader kept a connection with the wrong key"
+        # Silent until the handshake times out: closed by the leader.
+        with connect(port) as silent:
+            silent.settimeout(10)
+            silent.recv(256)
+            started = time.monotonic()
+            assert silent.recv(64) == b""
+            assert time.monotonic() - started < 8
+        assert leader.poll() is None, "a stranger ended the leader"
+        # The real follower is still watched: its death still ends the leader.
+        follower.close()
+        assert leader.wait(timeout=10) == 75
+    finally:
+        leader.kill()
+    err = leader.stderr.read() if leader.stderr else ""
+    strangers = [line for line in err.splitlines() if "a stranger at 127.0.0.1:" in line]
+    assert len(strangers) == 13, err
+    assert all(line.startswith("vllm-fleet replica: a stranger at") for line in strangers)
+    assert all(line.isascii() and line.isprintable() and len(line) < 220 for line in strangers)
+    # The forged hello made no line of its own, and nothing the strangers sent joined.
+    assert not any(line.startswith("vllm-fleet replica: forged") for line in err.splitlines())
+    print(strangers[0], strangers[2], sep="\n")
+    assert err.count(" joined") == 1
+    assert "follower gpu-b (rank 1) is gone: exiting (75)" in err
+
+
+def test_a_leader_without_the_key_refuses_to_start() -> None:
+    done = subprocess.run(
+        [sys.executable, str(LAUNCHER), "leader", "127.0.0.1:1", "n", "--"],
+        capture_output=True, text=True, check=False, env={"PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert "no VLLM_FLEET_REPLICA_KEY in the environment (vllm_fleet_replica_secret)" in done.stderr
+
+
 def test_a_follower_waits_for_its_leader_then_ends_with_it() -> None:
     port = free_port()
     follower = stand_in(
         "threading.Thread(target=replica.watch_leader, "
-        f"args=('127.0.0.1', {port}, 'gpu-b', '1'), daemon=True).start()"
+        f"args=('127.0.0.1', {port}, 'gpu-b', '1', {KEY.encode()!r}), daemon=True).start()"
     )
     try:
         # No leader yet: the follower keeps trying and stays up.
@@ -81,7 +154,7 @@ def test_a_follower_waits_for_its_leader_then_ends_with_it() -> None:
         with socket.create_server(("127.0.0.1", port)) as server:
             server.settimeout(15)
             conn, _ = server.accept()
-            assert conn.recv(64) == b"follower gpu-b (rank 1)\n"
+            assert_proves(conn, "follower gpu-b (rank 1)")
             time.sleep(0.5)
             assert follower.poll() is None
             conn.close()
@@ -90,6 +163,14 @@ def test_a_follower_waits_for_its_leader_then_ends_with_it() -> None:
         follower.kill()
     err = follower.stderr.read() if follower.stderr else ""
     assert f"the leader at 127.0.0.1:{port} is gone" in err
+
+
+def assert_proves(conn: socket.socket, hello: str) -> None:
+    """Challenge a follower as its leader does and check its answer."""
+    nonce = bytes(range(32))
+    conn.sendall(CHALLENGE + nonce.hex().encode() + b"\n")
+    mac = hmac.new(KEY.encode(), CHALLENGE + nonce + b"\0" + hello.encode(), hashlib.sha256)
+    assert conn.recv(256) == f"{mac.hexdigest()} {hello}\n".encode()
 
 
 def test_wrong_usage_prints_the_usage() -> None:
@@ -135,6 +216,7 @@ def ray_env(port: int) -> dict[str, str]:
     return {
         "RAY_ADDRESS": f"127.0.0.1:{port}",
         "VLLM_HOST_IP": "127.0.0.1",
+        "VLLM_FLEET_REPLICA_KEY": KEY,
         "PATH": "/usr/bin:/bin",
     }
 
@@ -183,7 +265,7 @@ def test_a_ray_worker_joins_after_its_leader_and_ends_with_it(tmp_path: Path) ->
             server.settimeout(15)
             head.settimeout(15)
             conn, _ = server.accept()
-            assert conn.recv(64) == b"follower gpu-b (Ray worker)\n"
+            assert_proves(conn, "follower gpu-b (Ray worker)")
             joined, _ = head.accept()
             assert log.read_text().split() == [
                 "start", "--address", f"127.0.0.1:{ray_port}", "--block",

@@ -138,7 +138,41 @@ def test_unit_never_carries_secrets(loader: DataLoader, venv: Path) -> None:
         vllm_fleet_hf_token="hf_unit_secret",
     )
     assert 'VLLM_API_KEY="sk-unit-secret"' in env_file
+    # The engine runs offline and runs the model's code: no hub token unless it needs the hub.
+    assert "hf_unit_secret" not in env_file
+    assert "HF_HUB_OFFLINE=1" in directive(unit, "Environment")
+
+
+def test_the_hub_token_reaches_the_engine_only_when_it_needs_the_hub(
+    loader: DataLoader, venv: Path
+) -> None:
+    hub = {"vllm_fleet_hf_token": "hf_unit_secret", "vllm_fleet_engine_needs_hub": True}
+    env_file = render(loader, "vllm.env.j2", **hub)
     assert 'HF_TOKEN="hf_unit_secret"' in env_file
+    unit = render(loader, "vllm.service.j2", vllm_service_venv=str(venv), **hub)
+    assert "HF_HUB_OFFLINE=0" in directive(unit, "Environment")
+    assert "hf_unit_secret" not in unit
+
+
+def test_a_replicas_watch_secret_is_in_the_env_file_only(loader: DataLoader, venv: Path) -> None:
+    secret = {"vllm_fleet_replica_secret": "watch-unit-secret"}
+    assert "watch-unit-secret" not in render(loader, "vllm.env.j2", **secret)
+    plan = {"tensor_parallel_size": 8, "replica": replica(1)}
+    env_file = render(loader, "vllm.env.j2", vllm_fleet_plan=plan, **secret)
+    assert 'VLLM_FLEET_REPLICA_KEY="watch-unit-secret"' in env_file
+    unit = render(
+        loader, "vllm.service.j2", vllm_fleet_plan=plan, vllm_service_venv=str(venv), **secret
+    )
+    assert "watch-unit-secret" not in unit
+
+
+def test_the_unit_and_the_bench_share_one_sandbox(loader: DataLoader, venv: Path) -> None:
+    unit = render(loader, "vllm.service.j2", vllm_service_venv=str(venv))
+    properties = loader.load_from_file(str(ROLE / "vars/main.yml"))["__vllm_service_sandbox"]
+    assert "ProtectSystem=strict" in properties and "SystemCallFilter=~@privileged" in properties
+    assert all(f"\n{p}\n" in unit for p in properties), unit
+    bench = (ROLE / "tasks/bench.yml").read_text()
+    assert "product(__vllm_service_sandbox)" in bench and "'User=' ~ vllm_service_user" in bench
 
 
 def test_kv_cache_dtype_and_cpu_bind_only_when_set(loader: DataLoader, venv: Path) -> None:
@@ -353,3 +387,33 @@ def test_a_ray_replica_runs_head_and_worker_in_the_same_sandboxed_unit(
                 check=False,
             )  # fmt: skip
             assert result.returncode == 0, result.stderr
+
+
+def test_the_server_binds_the_fleet_address_and_asks_the_key_everywhere(
+    loader: DataLoader, venv: Path
+) -> None:
+    """vLLM (and its /metrics) on the node's fleet address only, with the key guard."""
+    guard = "/usr/local/lib/vllm-fleet/vllm_fleet_auth.py"
+    guard_sha = hashlib.sha256((ROLE / "files/vllm_fleet_auth.py").read_bytes()).hexdigest()
+    unit = render(loader, "vllm.service.j2", vllm_service_venv=str(venv), ansible_host="10.0.0.11")
+    (argv,) = directive(unit, "ExecStart")
+    assert "--host 10.0.0.11 " in argv and "0.0.0.0" not in unit
+    assert "--middleware vllm_fleet_auth.RequireKey" in argv
+    assert "PYTHONPATH=/usr/local/lib/vllm-fleet" in directive(unit, "Environment")
+    # The guard's digest is in the unit: a new guard restarts the server.
+    assert f"{guard} sha256 {guard_sha}" in unit
+    named = render(
+        loader,
+        "vllm.service.j2",
+        vllm_service_venv=str(venv),
+        ansible_host="10.0.0.11",
+        vllm_fleet_node_address="192.168.7.11",
+    )
+    assert "--host 192.168.7.11 " in directive(named, "ExecStart")[0]
+    follower = render(
+        loader,
+        "vllm.service.j2",
+        vllm_fleet_plan={"tensor_parallel_size": 8, "replica": replica(1)},
+        vllm_service_venv=str(venv),
+    )
+    assert "--middleware" not in directive(follower, "ExecStart")[0] and guard not in follower

@@ -520,6 +520,7 @@ def sync_links(root: str, pointers: dict[str, str]) -> None:
             os.unlink(tmp)
         os.symlink(target, tmp)
         os.replace(tmp, path)
+        _fsync_dir(root)
         _crash_point(f"link-{name}")
 
 
@@ -574,9 +575,15 @@ def write_release(
     records: dict[str, dict[str, Any]],
     contents: dict[str, bytes],
 ) -> str:
-    """Write the copies and release.json in a temporary directory, then rename it."""
+    """Write the copies and release.json in a temporary directory, then rename it.
+
+    Every file, the directory and its parent reach the disk before the rename and the
+    rename before the pointer switch: after a power loss the switch never names a
+    release of empty files.
+    """
     os.makedirs(root, mode=0o700, exist_ok=True)
     os.chmod(root, 0o700)
+    _fsync_dir(os.path.dirname(root))  # a new releases directory's own entry
     tmp = tempfile.mkdtemp(prefix=".tmp-", dir=root)
     try:
         for role, record in records.items():
@@ -585,14 +592,20 @@ def write_release(
             fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, int(record["mode"], 8))
             with os.fdopen(fd, "wb") as handle:
                 handle.write(contents[role])
-            os.chmod(dest, int(record["mode"], 8))
+                handle.flush()
+                os.fchmod(handle.fileno(), int(record["mode"], 8))
+                os.fsync(handle.fileno())
         json_path = os.path.join(tmp, RELEASE_JSON)
         with open(json_path, "w") as handle:
             json.dump(release, handle, indent=2, sort_keys=True)
             handle.write("\n")
-        os.chmod(json_path, 0o600)
+            handle.flush()
+            os.fchmod(handle.fileno(), 0o600)
+            os.fsync(handle.fileno())
+        _fsync_dir(tmp)
         final = os.path.join(root, release_id)
         os.rename(tmp, final)
+        _fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

