@@ -43,8 +43,10 @@ check: lint unit
 
 include $(sort $(wildcard mk/*.mk))
 
+# A subset: make integration TESTS='tests/integration/test_cli.py -k status'
+TESTS ?= tests/integration
 integration: venv collections $(INTEGRATION_DEPS)
-	$(BIN)/pytest -q --durations=25 tests/integration
+	$(BIN)/pytest -q --durations=25 $(TESTS)
 
 test: lint unit molecule integration
 

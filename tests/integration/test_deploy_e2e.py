@@ -684,25 +684,32 @@ def test_full_deploy_serves_on_every_node(deployed: Run, fleet: fleet_mod.Fleet)
 
 
 def assert_sandboxed(node: str, pid: str) -> None:
-    """systemd applied the unit's sandbox: its own mount namespace, the system read-only."""
-    assert node_sh(node, "readlink", f"/proc/{pid}/ns/mnt") != node_sh(
-        node, "readlink", "/proc/1/ns/mnt"
-    )
+    """systemd applied the unit's sandbox: its own mount namespace, the system read-only.
+
+    Read as the service user: root in a test node lacks CAP_SYS_PTRACE, which
+    another user's /proc/<pid>/ns and /proc/<pid>/root ask for.
+    """
+
+    def as_vllm(*argv: str) -> subprocess.CompletedProcess[str]:
+        return fleet_mod.exec_in(node, list(argv), check=False, user="vllm")
+
+    spaces = as_vllm("readlink", "/proc/self/ns/mnt", f"/proc/{pid}/ns/mnt")
+    outside, inside = spaces.stdout.split()
+    assert outside != inside, spaces
     mounts = {
         fields[4]: fields[5].split(",")
         for fields in (
-            line.split() for line in node_sh(node, "cat", f"/proc/{pid}/mountinfo").splitlines()
+            line.split() for line in as_vllm("cat", f"/proc/{pid}/mountinfo").stdout.splitlines()
         )
     }
     assert "ro" in mounts["/usr"] and "ro" in mounts["/etc"], mounts
-    # The service user cannot write there either, as the server sees it.
-    denied = fleet_mod.exec_in(
-        node,
-        ["nsenter", f"--target={pid}", "--mount", "--", "setpriv", "--reuid=vllm", "--regid=vllm",
-         "--clear-groups", "touch", "/var/tmp/vf-sandbox-probe"],
-        check=False,
-    )  # fmt: skip
+    # A folder the service user may write outside the sandbox, read-only inside it.
+    probe = "/opt/vf-sandbox-probe"
+    node_sh(node, "install", "-d", "-o", "vllm", "-g", "vllm", probe)
+    assert as_vllm("touch", f"{probe}/outside").returncode == 0
+    denied = as_vllm("touch", f"/proc/{pid}/root{probe}/inside")
     assert denied.returncode != 0 and "Read-only file system" in denied.stderr, denied
+    node_sh(node, "rm", "-rf", probe)
 
 
 def raw_get(port: int, path: str, key: str | None = None, body: dict | None = None) -> int:

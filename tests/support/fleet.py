@@ -251,10 +251,10 @@ def inventory_yaml(
 
 
 def exec_in(
-    node: str, argv: Sequence[str], *, check: bool = True
+    node: str, argv: Sequence[str], *, check: bool = True, user: str = "root"
 ) -> subprocess.CompletedProcess[str]:
-    """Run argv inside a node (as root) and return the finished process."""
-    return podman("exec", node, *argv, check=check)
+    """Run argv inside a node (as root unless told) and return the finished process."""
+    return podman("exec", "--user", user, node, *argv, check=check)
 
 
 def wait_booted(node: str, timeout: float = BOOT_TIMEOUT_S) -> str:
