@@ -696,13 +696,14 @@ def assert_sandboxed(node: str, pid: str) -> None:
     spaces = as_vllm("readlink", "/proc/self/ns/mnt", f"/proc/{pid}/ns/mnt")
     outside, inside = spaces.stdout.split()
     assert outside != inside, spaces
-    mounts = {
-        fields[4]: fields[5].split(",")
-        for fields in (
-            line.split() for line in as_vllm("cat", f"/proc/{pid}/mountinfo").stdout.splitlines()
-        )
-    }
-    assert "ro" in mounts["/usr"] and "ro" in mounts["/etc"], mounts
+    table = [line.split() for line in as_vllm("cat", f"/proc/{pid}/mountinfo").stdout.splitlines()]
+    # ProtectSystem=strict remounts / read-only as a whole, so /usr and /etc are
+    # often no mount point of their own: read the mount that holds each (the
+    # longest mount point above it, the last one listed where stacked).
+    for path in ("/usr", "/etc"):
+        above = [i for i, f in enumerate(table) if (path + "/").startswith(f[4].rstrip("/") + "/")]
+        holder = max(above, key=lambda i: (len(table[i][4]), i))
+        assert "ro" in table[holder][5].split(","), (path, table[holder])
     # A folder the service user may write outside the sandbox, read-only inside it.
     probe = "/opt/vf-sandbox-probe"
     node_sh(node, "install", "-d", "-o", "vllm", "-g", "vllm", probe)
