@@ -149,6 +149,10 @@ options:
         start the download (mode V(download), with these options) as a detached job and
         return its RV(results_file); one module run plans and starts. Follow it with
         V(wait).
+      - For V(plan) in check mode with O(verify=full), the plan itself (which hashes every
+        file) runs as the job instead, its results and progress in a private temp dir
+        (removed when V(wait) reads its end), never in O(state_dir); V(wait)'s RV(job) is
+        then the plan's result, and RV(check_job) is V(true).
     type: bool
     default: false
   job_timeout:
@@ -369,6 +373,10 @@ results_file:
   returned: mode is plan and a job was started
   type: str
   sample: /shared/models/.vllm-fleet/kimi/jobs/1764612000000000000-4242.json
+check_job:
+  description: Whether the started job is check mode's full verify (the plan), not a download.
+  returned: mode is plan in check mode with O(verify=full) and O(start)
+  type: bool
 hub_ready:
   description: Whether the interpreter has O(hub_version) (V(true) when not asked).
   type: bool
@@ -379,6 +387,7 @@ hub_version:
   returned: mode is plan and O(hub_version) is set
 """
 
+import functools
 import time
 
 from ansible.module_utils.basic import AnsibleModule
@@ -390,6 +399,7 @@ from ansible.module_utils.hf_download import (
     make_plan,
     plan_summary,
     setup_environment,
+    start_check_job,
     start_job,
     verify_local,
     wait_progress,
@@ -418,9 +428,9 @@ def build_options(params: dict) -> Options:
     )
 
 
-def plan_result(opts: Options, diff: bool) -> dict:
+def plan_result(opts: Options, diff: bool, report_hashing: bool = False) -> dict:
     started = time.monotonic()
-    plan = make_plan(opts)
+    plan = make_plan(opts, report_hashing)
     check_space(opts, plan)
     result = plan_summary(plan)
     result["elapsed_s"] = round(time.monotonic() - started, 2)
@@ -432,6 +442,13 @@ def plan_result(opts: Options, diff: bool) -> dict:
             "after": f"{len(plan.entries)} files complete at {plan.sha}\n",
         }
     return result
+
+
+def check_job_wanted(module: AnsibleModule, opts: Options) -> bool:
+    """Check mode's full verify hashes every file: in a followed job, so its progress shows."""
+    params = module.params
+    planning = params["mode"] == "plan" and params["start"]
+    return module.check_mode and planning and opts.verify == "full"
 
 
 def installed_hub_version() -> str | None:
@@ -488,6 +505,10 @@ def main() -> None:
             result = verify_local(opts)
         elif mode == "wait":
             result = wait_progress(opts, module.params["wait_s"], module.params["job_file"])
+        elif check_job_wanted(module, opts):
+            work = functools.partial(plan_result, diff=module._diff, report_hashing=True)
+            result = start_check_job(opts, module.params["job_timeout"], work)
+            result["hub_ready"] = True
         elif mode == "plan" or module.check_mode:
             result = plan_result(opts, module._diff)
             result["hub_ready"] = True

@@ -35,6 +35,7 @@ import stat
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,6 +87,8 @@ class Options:
     chunk_bytes: int = 1 << 20
     transport: str = "auto"
     quick: bool = False
+    # Check mode's full verify writes its progress in a private temp dir, not state_dir.
+    progress_file: str = ""
 
 
 @dataclass
@@ -358,7 +361,18 @@ def manifest_path(opts: Options) -> str:
 
 
 def progress_path(opts: Options) -> str:
-    return os.path.join(opts.state_dir, "progress.json")
+    return opts.progress_file or os.path.join(opts.state_dir, "progress.json")
+
+
+# Check mode's full verify runs as a job in a temp dir of this name (start_check_job):
+# its results and progress live there, never in the shared state tree.
+CHECK_JOB_PREFIX = "vllm-fleet-verify-"
+
+
+def check_job_dir(job_file: str | None) -> str | None:
+    """The private dir of a check mode job's results file, else None (a download's)."""
+    where = os.path.dirname(job_file or "")
+    return where if os.path.basename(where).startswith(CHECK_JOB_PREFIX) else None
 
 
 def partial_dir(opts: Options, sha: str) -> str:
@@ -660,7 +674,7 @@ class HashProgress:
 
     def __init__(self, opts: Options, entries: list[Entry], wanted: bool) -> None:
         self.path = progress_path(opts)
-        self.active = wanted and opts.verify == "full" and os.path.isdir(opts.state_dir)
+        self.active = wanted and opts.verify == "full" and os.path.isdir(os.path.dirname(self.path))
         self.lock = threading.Lock()
         self.files_total = len(entries)
         self.bytes_total = sum(e.size for e in entries)
@@ -1515,8 +1529,10 @@ def job_result(job_file: str) -> dict[str, Any] | None:
     return data
 
 
-def _job_main(opts: Options, job_file: str, timeout_s: int, ready_fd: int) -> None:
-    """The detached job: download, write the final result, exit (never returns)."""
+def _job_main(
+    work: Callable[[], dict[str, Any]], job_file: str, timeout_s: int, ready_fd: int
+) -> None:
+    """The detached job: work (a download), write the final result, exit (never returns)."""
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):  # the module's pipes must close for its run to end
         os.dup2(devnull, fd)
@@ -1527,7 +1543,7 @@ def _job_main(opts: Options, job_file: str, timeout_s: int, ready_fd: int) -> No
         os.close(ready_fd)
 
         def expire() -> None:
-            msg = f"the download did not end within model_download_timeout ({timeout_s} s)"
+            msg = f"the job did not end within model_download_timeout ({timeout_s} s)"
             write_json_atomic(job_file, {"failed": True, "finished": 1, "msg": msg})
             os._exit(1)  # fetch threads die with the process; partials stay for a resume
 
@@ -1535,7 +1551,7 @@ def _job_main(opts: Options, job_file: str, timeout_s: int, ready_fd: int) -> No
         timer.daemon = True
         timer.start()
         try:
-            result = {**download(opts), "failed": False}
+            result = {**work(), "failed": False}
             rc = 0
         except DownloadError as err:
             result = {"failed": True, "msg": str(err)}
@@ -1546,19 +1562,26 @@ def _job_main(opts: Options, job_file: str, timeout_s: int, ready_fd: int) -> No
         os._exit(rc)  # never back into the module (or AnsiballZ's cleanup) in this process
 
 
-def start_job(opts: Options, timeout_s: int) -> dict[str, Any]:
-    """Start download(opts) in a detached process and return its results file.
+def start_job(
+    opts: Options,
+    timeout_s: int,
+    work: Callable[[], dict[str, Any]] | None = None,
+    jobs_dir: str | None = None,
+) -> dict[str, Any]:
+    """Start work (download(opts)) in a detached process and return its results file.
 
     Double fork and setsid, as Ansible's async_wrapper does, so the job outlives this
     module run and the connection; one module run both plans and starts (no second
-    AnsiballZ round trip). wait_progress follows the results file.
+    AnsiballZ round trip). wait_progress follows the results file. ``jobs_dir``: a
+    private dir of the caller's instead of state_dir's ``jobs`` (check mode's).
     """
-    os.makedirs(opts.state_dir, exist_ok=True)
-    jobs = own_dir(os.path.join(opts.state_dir, "jobs"))
-    for name in os.listdir(jobs):  # earlier runs' files; a running job holds the lock anyway
-        with contextlib.suppress(OSError):
-            os.unlink(os.path.join(jobs, name))
-    job_file = os.path.join(jobs, f"{time.time_ns()}-{os.getpid()}.json")
+    if jobs_dir is None:
+        os.makedirs(opts.state_dir, exist_ok=True)
+        jobs_dir = own_dir(os.path.join(opts.state_dir, "jobs"))
+        for name in os.listdir(jobs_dir):  # earlier runs'; a running job holds the lock anyway
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(jobs_dir, name))
+    job_file = os.path.join(jobs_dir, f"{time.time_ns()}-{os.getpid()}.json")
     ready_r, ready_w = os.pipe()
     child = os.fork()
     if child == 0:
@@ -1566,7 +1589,7 @@ def start_job(opts: Options, timeout_s: int) -> dict[str, Any]:
             os.close(ready_r)
             os.setsid()
             if os.fork() == 0:
-                _job_main(opts, job_file, timeout_s, ready_w)
+                _job_main(work or functools.partial(download, opts), job_file, timeout_s, ready_w)
         finally:
             os._exit(0)
     os.close(ready_w)
@@ -1577,10 +1600,26 @@ def start_job(opts: Options, timeout_s: int) -> dict[str, Any]:
     return {"results_file": job_file, "started": True}
 
 
+def start_check_job(
+    opts: Options, timeout_s: int, work: Callable[[Options], dict[str, Any]]
+) -> dict[str, Any]:
+    """Check mode's full verify: work(opts) (the plan) as a job, so its hashing shows.
+
+    Its results and progress go to a fresh 0700 temp dir, removed once the job's result
+    is read: nothing is written in the shared state tree.
+    """
+    where = tempfile.mkdtemp(prefix=CHECK_JOB_PREFIX)
+    job_opts = Options(**{**opts.__dict__, "progress_file": os.path.join(where, "progress.json")})
+    started = start_job(job_opts, timeout_s, functools.partial(work, job_opts), where)
+    return {**started, "check_job": True}
+
+
 def read_progress(opts: Options, job_file: str | None) -> dict[str, Any]:
     """progress.json, unless it is older than the followed job (left by an earlier run)."""
+    private = check_job_dir(job_file)
+    path = os.path.join(private, "progress.json") if private else progress_path(opts)
     try:
-        with open(progress_path(opts)) as fh:
+        with open(path) as fh:
             progress = json.load(fh)
         if job_file and progress.get("updated", 0) < os.path.getmtime(job_file) - 1:
             return {}
@@ -1624,4 +1663,7 @@ def wait_progress(opts: Options, wait_s: float, job_file: str | None = None) -> 
     }
     if job is not None:
         result["job"] = {k: v for k, v in job.items() if k != "invocation"}
+        private = check_job_dir(job_file)
+        if private:
+            shutil.rmtree(private, ignore_errors=True)
     return result

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -197,3 +198,53 @@ def test_other_commands_keep_their_exit_code() -> None:
     assert cli.verify_exit_code(model, cli.EXIT_FAILED, True) == cli.EXIT_FAILED
     args = argparse.Namespace()
     assert not hasattr(args, "check")
+
+
+def tree(path: str) -> list[str]:
+    found = (os.path.join(where, name) for where, _, names in os.walk(path) for name in names)
+    return sorted(os.path.relpath(name, path) for name in found)
+
+
+def test_check_mode_hashes_in_a_followed_job_outside_the_state_tree(checkpoint) -> None:
+    """verify --check: the plan runs as a job whose hashing progress wait reads back; its
+    results and progress live in a private temp dir (gone after), never in state_dir."""
+    o, entries = checkpoint
+    record(o, entries)
+    o.verify = "full"
+    state_before = tree(o.state_dir)
+
+    def work(job_opts: hd.Options) -> dict[str, Any]:
+        with hd.HashProgress(job_opts, entries, wanted=True) as tick:
+            hd.assess(job_opts, entries, {}, None, tick)
+            time.sleep(3)  # the writer thread's once-a-second snapshots land meanwhile
+        return {"complete": True, "hashed": len(entries), "changed": False}
+
+    started = hd.start_check_job(o, 60, work)
+    assert started["check_job"] and started["started"]
+    private = os.path.dirname(started["results_file"])
+    assert not private.startswith(o.state_dir) and oct(os.stat(private).st_mode & 0o777) == "0o700"
+    # Followed as a download is: rounds of wait until the job ends, each with progress.
+    rounds = [hd.wait_progress(o, 0.3, started["results_file"])]
+    while not rounds[-1]["ended"]:
+        rounds.append(hd.wait_progress(o, 0.3, started["results_file"]))
+    running = [r for r in rounds if not r["ended"] and r["progress"].get("files_done") == 3]
+    assert running and running[-1]["progress"]["state"] == "hashing", rounds
+    (bar,) = extract_progress(running[-1])
+    assert (bar.kind, bar.done, bar.total) == ("verify", 3, 3)
+    result = rounds[-1]
+    assert result["job"]["hashed"] == 3 and not result["job"]["failed"]
+    assert not os.path.exists(private)
+    assert tree(o.state_dir) == state_before
+
+
+def test_a_failed_check_mode_job_reports_its_error(checkpoint) -> None:
+    o, _ = checkpoint
+    o.verify = "full"
+
+    def work(job_opts: hd.Options) -> dict[str, Any]:
+        raise hd.DownloadError("Revision 'nope' not found on the hub.")
+
+    started = hd.start_check_job(o, 60, work)
+    result = hd.wait_progress(o, 30, started["results_file"])
+    assert result["ended"] and result["job"]["failed"], result
+    assert "Revision 'nope' not found" in result["job"]["msg"]

@@ -62,7 +62,11 @@ KEY_ENV = "VLLM_FLEET_REPLICA_KEY"
 
 
 def _log(message: str) -> None:
-    print(f"vllm-fleet replica: {message}", file=sys.stderr, flush=True)
+    # One write(2) per line: strangers are handled on threads at once, and print()
+    # writes text and newline apart, so two lines could merge into one.
+    line = f"vllm-fleet replica: {message}\n".encode(errors="backslashreplace")
+    with contextlib.suppress(OSError):
+        os.write(sys.stderr.fileno(), line)
 
 
 def _keepalive(conn: socket.socket) -> None:
