@@ -1123,6 +1123,7 @@ def open_stream(url: str, headers: dict[str, str], timeout: float, hub: Origin) 
         if resp.status not in REDIRECTS:
             return conn, resp
         location = resp.getheader("Location") or ""
+        resp.close()
         conn.close()
         if not location:
             break
@@ -1181,6 +1182,9 @@ def stream_attempt(
             progress.add(got)
             left -= got
     finally:
+        # A response that will close holds the socket itself: conn.close() alone leaves it
+        # open until the garbage collector, and the hub keeps sending into it meanwhile.
+        resp.close()
         conn.close()
 
 

@@ -110,6 +110,7 @@ class HubState:
     faults: list[Fault] = field(default_factory=list)
     requests: list[Request] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    active: int = 0  # requests being served now
     meta_cache: dict[tuple[str, str], dict[str, FileMeta]] = field(default_factory=dict)
 
     def take_fault(self, method: str, path: str) -> Fault | None:
@@ -124,6 +125,17 @@ class HubState:
     def record(self, req: Request) -> None:
         with self.lock:
             self.requests.append(req)
+
+    def quiesce(self, timeout: float = 10.0) -> None:
+        """Wait until no request is being served (a throttled body an earlier client gave up
+        on is still sent, and recorded when it ends)."""
+        deadline = time.monotonic() + timeout
+        while self.active and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    def serving(self, delta: int) -> None:
+        with self.lock:
+            self.active += delta
 
 
 def git_blob_sha1(path: Path) -> str:
@@ -247,8 +259,11 @@ class Handler(BaseHTTPRequestHandler):
         path = unquote(url.path)
         req = Request(method, path, None, self.headers.get("Range"), 0)
         req.auth = self.headers.get("Authorization")
+        control = path.startswith("/_control/")
+        if not control:
+            self.state.serving(1)
         try:
-            if path.startswith("/_control/"):
+            if control:
                 self._control(method, path)
                 req.status = 200
                 return
@@ -264,8 +279,9 @@ class Handler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True
         finally:
-            if not path.startswith("/_control/"):
+            if not control:
                 self.state.record(req)
+                self.state.serving(-1)
 
     # --- repo resolution --------------------------------------------------
     def _repo_dir(self, repo: str) -> Path:
@@ -562,6 +578,7 @@ class HubServer:
             self.state.faults.clear()
 
     def reset(self) -> None:
+        self.state.quiesce()
         with self.state.lock:
             self.state.faults.clear()
             self.state.requests.clear()
