@@ -399,9 +399,9 @@ def serving(node: str) -> dict[str, Any]:
 
 
 def unit_model(node: str) -> str:
-    """The model of the node's unit (`vllm serve MODEL`, or the launcher's `-- MODEL`)."""
+    """The --model of the node's unit: the view it serves."""
     argv = node_sh(node, "systemctl", "show", "--property=ExecStart", "--value", UNIT).split()
-    return argv[argv.index("serve" if "serve" in argv else "--") + 1]
+    return argv[argv.index("--model") + 1]
 
 
 def snapshot(node: str) -> dict[str, Any]:
@@ -1167,7 +1167,7 @@ def test_upgrade_from_an_in_place_patch_rolls_nodes_to_views(
     assert legacy["changed"] and legacy["backup_files_created"]
     for node in NODES:
         view = before[node]["view"]
-        node_sh(node, "sed", "-i", f"s# serve {view} # serve {CHECKPOINT} #", UNIT_PATH)
+        node_sh(node, "sed", "-i", f"s#--model {view} #--model {CHECKPOINT} #", UNIT_PATH)
         node_sh(node, "systemctl", "daemon-reload")
     # The processes keep running (a restart onto the patched checkpoint would cost two
     # model loads and show nothing more): the deploy compares the unit and the view
