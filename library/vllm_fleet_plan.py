@@ -336,11 +336,13 @@ from ansible.module_utils.vllm_fleet_compat import (
     kv_cache_decision,
     kv_dtype_bytes,
     nccl_decision,
+    nvfp4_notes,
     parse_version,
     peer_problems,
     plan_context,
     rejections,
     validate_matrix,
+    weight_quant_from_docs,
 )
 
 
@@ -672,12 +674,13 @@ def build_plan(module: AnsibleModule) -> dict:
     problems: list[str] = []
     checks: dict = {}
     gpu = p["gpu"] if p["device"] == "cuda" else {}
-    config = index = None
+    config = index = hf_quant = None
     try:
         config = _load_json(p["model_dir"], "config.json")
+        hf_quant = _load_json(p["model_dir"], "hf_quant_config.json")
         traits = checkpoint_traits(
             config,
-            _load_json(p["model_dir"], "hf_quant_config.json"),
+            hf_quant,
             p["declared_attention"],
             p["declared_kv_cache_quant"],
         )
@@ -697,6 +700,8 @@ def build_plan(module: AnsibleModule) -> dict:
         tp * pp,
     )
     kv = kv_cache_decision(p["matrix"], ctx)
+    weight_quant = weight_quant_from_docs(config, hf_quant)
+    fp4_warnings, fp4_problems = nvfp4_notes(p["device"], ctx["compute_capability"], weight_quant)
     try:
         switches = [_switch(p[name]) for name in ("nccl_p2p_disable", "disable_custom_all_reduce")]
     except TypeError as exc:
@@ -704,6 +709,7 @@ def build_plan(module: AnsibleModule) -> dict:
     nccl = nccl_decision(p["matrix"], ctx, *switches)
     drop = kv["kv_cache"] == "drop" and traits["kv_cache_quant"] not in ("none", "unknown")
     problems.extend(rejections(p["matrix"], ctx))
+    problems.extend(fp4_problems)
 
     if p["device"] == "cuda":
         fit = gpu_fit_problems(
@@ -776,7 +782,7 @@ def build_plan(module: AnsibleModule) -> dict:
     return {
         "plan": plan,
         "problems": problems,
-        "warnings_list": traits["warnings"],
+        "warnings_list": traits["warnings"] + fp4_warnings,
         "checks": checks,
     }
 

@@ -13,7 +13,13 @@ import re
 from typing import Any
 
 # The same declaration paths library/hf_quant_config.py patches (one reader, not two).
-from ansible.module_utils.hf_quant import CONFIG_FILE, HF_QUANT_FILE, find_declarations
+from ansible.module_utils.hf_quant import (
+    CONFIG_FILE,
+    HF_QUANT_FILE,
+    find_declarations,
+    get_path,
+    quant_section_paths,
+)
 
 try:
     from packaging.version import InvalidVersion as _InvalidVersion
@@ -153,6 +159,48 @@ def kv_quant_from_docs(config: dict[str, Any] | None, hf_quant: dict[str, Any] |
     if len(names) == 1:
         return names.pop()
     return "fp8" if "fp8" in names else sorted(names)[0]
+
+
+def weight_quant_from_docs(config: dict[str, Any] | None, hf_quant: dict[str, Any] | None) -> str:
+    """The checkpoint's weight quantization (a ModelOpt quant_algo, lower case: nvfp4, fp8, ...),
+    from the same sections hf_quant_config reads; '' when none is declared."""
+    for filename, doc in ((HF_QUANT_FILE, hf_quant), (CONFIG_FILE, config)):
+        for section in quant_section_paths(filename) if doc else []:
+            for path in ((*section, "quantization", "quant_algo"), (*section, "quant_algo")):
+                present, value = get_path(doc, path)
+                if present and isinstance(value, str) and value:
+                    return value.lower()
+    return ""
+
+
+# NVFP4 GEMMs run on FP4 tensor cores from SM100 (vllm nvfp4_utils.py cutlass_fp4_supported);
+# below, vLLM falls back to Marlin's weight-only FP4 (marlin_utils_fp4.py: SM75 and up).
+FP4_NATIVE_CC = (10, 0)
+FP4_MARLIN_CC = (7, 5)
+
+
+def nvfp4_notes(
+    device: str, compute_capability: str | None, weight_quant: str
+) -> tuple[list[str], list[str]]:
+    """(warnings, problems) for NVFP4 weights on this host's lowest GPU."""
+    if device != "cuda" or weight_quant != "nvfp4" or not compute_capability:
+        return [], []
+    cc = parse_compute_capability(compute_capability)
+    if cc >= FP4_NATIVE_CC:
+        return [], []
+    if cc < FP4_MARLIN_CC:
+        return [], [
+            f"NVFP4 weights need SM7.5 or later (vLLM's Marlin FP4 fallback, "
+            f"marlin_utils_fp4.py); this host's GPUs are SM{compute_capability}"
+        ]
+    return [
+        f"NVFP4 weights on SM{compute_capability}: these GPUs have no FP4 tensor cores (SM10.0 "
+        "and later do), so vLLM serves the checkpoint through its weight-only FP4 fallback "
+        "(Marlin: the weights stay 4-bit in memory and are expanded to bf16 in every matmul). "
+        "The memory saving stays; the FP4 compute does not: prefill and large batches run at "
+        "bf16 speed or below (vLLM: 'may degrade performance for compute-heavy workloads'). An "
+        "FP8 or bf16 checkpoint of the model may serve faster here if it fits"
+    ], []
 
 
 def attention_from_config(config: dict[str, Any] | None) -> str:

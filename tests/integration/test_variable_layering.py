@@ -23,6 +23,9 @@ ROOT = Path(__file__).resolve().parents[2]
 PLAYBOOK = ROOT / "tests/integration/playbooks/render_unit.yml"
 PLAN_PLAYBOOK = ROOT / "tests/integration/playbooks/plan.yml"
 PROFILE = yaml.safe_load((ROOT / "playbooks/models/tiny-kimi.yml").read_text())
+DEFAULT_PIN = yaml.safe_load((ROOT / "roles/vllm_fleet/defaults/main.yml").read_text())[
+    "vllm_fleet_vllm_version"
+]
 UNIT_TASK = "Install the systemd unit (verified with systemd-analyze first)"
 
 
@@ -165,6 +168,21 @@ def failed_validation(runner: ansible_runner.Runner) -> dict[str, Any]:
     return failed
 
 
+def test_a_pin_below_the_profiles_minimum_is_refused_naming_both(tmp_path: Path) -> None:
+    # The Kimi-K2.5 profile (vLLM 0.15.0 or later) on an older pin; node-b pins one that loads it.
+    kimi = {"vllm_fleet_model": "kimi-k2.5-nvfp4", "vllm_fleet_vllm_version": "0.15.0rc1"}
+    inventory = write_inventory(tmp_path / "inventory", kimi, {"vllm_fleet_vllm_version": "0.15.0"})
+    runner = run(tmp_path, inventory)
+    assert runner.rc != 0
+    failed = [e["event_data"] for e in runner.events if e["event"] == "runner_on_failed"]
+    assert [(f["host"], f["task"]) for f in failed] == [
+        ("node-a", "Check the pinned vLLM against the model's minimum")
+    ]
+    msg = failed[0]["res"]["msg"]
+    assert "vLLM 0.15.0rc1 (vllm_fleet_vllm_version) cannot load nvidia/Kimi-K2.5-NVFP4" in msg
+    assert "needs vLLM 0.15.0 or later (vllm_fleet_vllm_min_version)" in msg, msg
+
+
 def test_a_broken_replica_topology_is_refused_with_every_problem(tmp_path: Path) -> None:
     replica = {
         "vllm_fleet_replica": "r1",
@@ -181,7 +199,7 @@ def test_a_broken_replica_topology_is_refused_with_every_problem(tmp_path: Path)
         "Inconsistent replica topology (vllm_fleet_replica, vllm_fleet_replica_rank), nothing "
         "was changed: (1) replica r1: rank 0 is set on node-a, node-b (one node per rank); "
         "(2) replica r1: its 2 nodes need ranks 0..1, one each (missing 1); (3) replica r1: its "
-        "nodes differ in vllm_fleet_vllm_version (node-a: 0.16.0, node-b: 0.17.0)."
+        f"nodes differ in vllm_fleet_vllm_version (node-a: {DEFAULT_PIN}, node-b: 0.17.0)."
     )
 
 

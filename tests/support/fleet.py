@@ -87,6 +87,8 @@ BASE_SSH_PORT = 2200
 # The demo's fleet endpoint (vllm-router) and its Prometheus exporter.
 ROUTER_PORT = 8000
 ROUTER_METRICS_PORT = 29000
+# vllm-router itself behind the endpoint's proxy, on loopback (its worker API).
+ROUTER_ADMIN_PORT = 29001
 # The demo's Prometheus (group monitoring), beside the router.
 MONITORING_PORT = 29090
 
@@ -205,6 +207,7 @@ def inventory(
             "hosts": {
                 next(iter(hosts)): {
                     "vllm_fleet_router_port": ROUTER_PORT,
+                    "vllm_fleet_router_admin_port": ROUTER_ADMIN_PORT,
                     "vllm_router_prometheus_port": ROUTER_METRICS_PORT,
                 }
             }

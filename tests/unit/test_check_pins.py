@@ -133,3 +133,23 @@ def test_listing_html_keeps_yanked_flag() -> None:
     parser = check_pins._Anchors()
     parser.feed('<a href="/f/x-1.0-py3-none-any.whl#sha256=1" data-yanked="">x</a>')
     assert parser.files == [Listing("x-1.0-py3-none-any.whl", "", True)]
+
+
+def test_a_default_pin_far_behind_the_index_warns_without_failing(
+    index: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The index's newest installable-or-not final release is 0.21.0 (0.19.0 is yanked).
+    monkeypatch.setattr(
+        check_pins, "repo_pins", lambda: [Pin("vllm", "0.16.0", index, check_pins.DEFAULTS_FILE)]
+    )
+    assert check_pins.main([]) == 0
+    out = capsys.readouterr().out
+    assert "warn the default vllm==0.16.0" in out and "is 5 minor releases behind 0.21.0" in out
+
+
+def test_a_default_pin_close_to_the_index_or_another_pin_does_not_warn(index: str) -> None:
+    files = fetch_listing(index, "vllm")
+    assert (
+        check_pins.staleness(Pin("vllm", "0.18.0", index, check_pins.DEFAULTS_FILE), files) is None
+    )
+    assert check_pins.newest_release("vllm", files) == check_pins.Version("0.21.0")

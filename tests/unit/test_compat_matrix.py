@@ -25,11 +25,13 @@ from ansible.module_utils.vllm_fleet_compat import (
     kv_quant_from_docs,
     kv_quant_name,
     nccl_decision,
+    nvfp4_notes,
     parse_version,
     peer_problems,
     plan_context,
     rejections,
     validate_matrix,
+    weight_quant_from_docs,
 )
 
 from tests.support.kimi_checkpoint import hf_quant_config, kimi_config
@@ -82,7 +84,7 @@ MHA_BACKENDS = "FLASH_ATTN|FLASHINFER|TRITON_ATTN"
 TRITON = "TRITON_MLA"
 MHA_OLD = "FLASH_ATTN|TRITON_ATTN"
 SM12_BEFORE, SM89_BEFORE = "sm11-sm12-mla-fp8-before-pr34597", "sm89-mla-fp8-before-pr34597"
-HOPPER_BEFORE, CPU_MLA = "sm90-sm100-mla-fp8-before-0.13", "CPU_MLA|AMX_MLA"
+HOPPER_BEFORE, CPU_MLA = "sm90-sm100-mla-fp8-before-0.14", "CPU_MLA|AMX_MLA"
 NIGHTLY = "0.16.0rc2.dev313+g662205d34"
 
 # device, fixture (or capability), vLLM, attention, checkpoint KV, world
@@ -105,16 +107,19 @@ CASES = [
     ("cuda", RTX, "0.16.0", "mla", "fp8", 1, "absent", TRITON, SM12_BEFORE, {}),
     # NVFP4 / int8 KV declarations never fall through to keep.
     ("cuda", RTX, "0.33.0", "mla", "nvfp4", 8, "absent", TRITON, "cuda-kv-int8-nvfp4", PCIE_ENV),
-    ("cuda", H200, "0.33.0", "mla", "int8", 8, "absent", "FLASHMLA", "cuda-kv-int8-nvfp4", {}),
+    ("cuda", H200, "0.33.0", "mla", "int8", 8, "absent", "FLASH_ATTN_MLA", "cuda-kv-int8-nvfp4",
+     {}),
     ("cuda", B200, "0.16.0", "mla", "nvfp4", 8, "absent", MLA_BACKENDS_SM100, "cuda-kv-int8-nvfp4",
      {}),
     ("cuda", H200, "0.33.0", "mha", "nvfp4", 8, "absent", MHA_BACKENDS, "cuda-kv-int8-nvfp4", {}),
     # Hopper and SM100: FP8 KV kept from 0.13.0 (after PR #30653), dropped before.
-    ("cuda", H200, "0.16.0", "mla", "fp8", 8, "original", "FLASHMLA", "sm90-mla", {}),
-    ("cuda", H200, "0.13.0", "mla", "fp8", 8, "original", "FLASHMLA", "sm90-mla", {}),
-    ("cuda", H200, "0.13.0rc1", "mla", "fp8", 8, "absent", "FLASHMLA", HOPPER_BEFORE, {}),
-    ("cuda", H200, "0.12.0", "mla", "fp8", 8, "absent", "FLASHMLA", HOPPER_BEFORE, {}),
-    ("cuda", H200, "0.12.0", "mla", "none", 8, "original", "FLASHMLA", "sm90-mla", {}),
+    ("cuda", H200, "0.16.0", "mla", "fp8", 8, "original", "FLASHMLA", "sm90-mla-fp8", {}),
+    ("cuda", H200, "0.14.0", "mla", "fp8", 8, "original", "FLASHMLA", "sm90-mla-fp8", {}),
+    # Before 0.14.0 vLLM ignores the declaration: the view drops it, FLASH_ATTN_MLA runs bf16.
+    ("cuda", H200, "0.13.0", "mla", "fp8", 8, "absent", "FLASH_ATTN_MLA", HOPPER_BEFORE, {}),
+    ("cuda", H200, "0.14.0rc1", "mla", "fp8", 8, "absent", "FLASH_ATTN_MLA", HOPPER_BEFORE, {}),
+    ("cuda", H200, "0.12.0", "mla", "fp8", 8, "absent", "FLASH_ATTN_MLA", HOPPER_BEFORE, {}),
+    ("cuda", H200, "0.12.0", "mla", "none", 8, "original", "FLASH_ATTN_MLA", "sm90-mla", {}),
     ("cuda", B200, "0.16.0", "mla", "fp8", 8, "original", MLA_BACKENDS_SM100, "sm100-mla", {}),
     ("cuda", B200, "0.11.2", "mla", "fp8", 8, "absent", MLA_BACKENDS_SM100, HOPPER_BEFORE, {}),
     ("cuda", H200, "0.16.0", "mha", "fp8", 8, "original", MHA_BACKENDS, "cuda-mha", {}),
@@ -506,3 +511,20 @@ def test_p2p_disable_switch_drops_the_level_and_custom_all_reduce() -> None:
     assert kept["disable_custom_all_reduce"] is False
     only_car = nccl_decision(MATRIX, ctx, disable_custom_all_reduce=True)
     assert only_car["env"] == PCIE_ENV and only_car["disable_custom_all_reduce"] is True
+
+
+def test_weight_quant_reads_the_sidecar_then_config_json() -> None:
+    assert weight_quant_from_docs(kimi_config(), hf_quant_config(4)) == "nvfp4"
+    assert weight_quant_from_docs(kimi_config(), None) == "nvfp4"  # config.json's section
+    assert weight_quant_from_docs({"architectures": ["X"]}, None) == ""
+
+
+@pytest.mark.parametrize(
+    ("cc", "warned", "refused"),
+    [("12.0", False, False), ("10.0", False, False), ("9.0", True, False), ("8.0", True, False),
+     ("7.5", True, False), ("7.0", False, True)],
+)  # fmt: skip
+def test_nvfp4_notes_by_capability(cc: str, warned: bool, refused: bool) -> None:
+    warnings, problems = nvfp4_notes("cuda", cc, "nvfp4")
+    assert (bool(warnings), bool(problems)) == (warned, refused)
+    assert nvfp4_notes("cpu", None, "nvfp4") == ([], []) == nvfp4_notes("cuda", cc, "fp8")

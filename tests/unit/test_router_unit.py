@@ -8,6 +8,7 @@ is caught, and the sandbox rates like the vLLM unit's.
 
 from __future__ import annotations
 
+import datetime as dt
 import re
 import shlex
 import subprocess
@@ -19,9 +20,13 @@ from ansible.parsing.dataloader import DataLoader
 from ansible.plugins.loader import init_plugin_loader
 from ansible.template import Templar, trust_as_template
 
+from tests.support.ansible_module import load_module
+from tests.support.tls import site_tls
+
 ROOT = Path(__file__).resolve().parents[2]
 ROLE = ROOT / "roles/vllm_router"
 UNIT = "vllm-router.service"
+vllm_tls_problems = load_module("vllm_fleet_tls", "filter_plugins").vllm_tls_problems
 GOOD = ["http://10.0.0.11:8000", "http://gpu-b:8100", "http://[fd00::12]:8000"]
 
 
@@ -147,4 +152,79 @@ def score(path: Path) -> float:
 def test_systemd_rates_the_router_unit_like_the_vllm_unit(tmp_path: Path) -> None:
     path = tmp_path / UNIT
     path.write_text(render(GOOD))
+    assert score(path) <= 4.5
+
+
+def render_role_template(name: str, **overrides: Any) -> str:
+    text = (ROLE / "templates" / name).read_text()
+    return templar(**overrides).template(trust_as_template(text))
+
+
+def test_the_router_listens_on_loopback_behind_the_endpoint() -> None:
+    words = argv(render(GOOD))
+    assert words[words.index("--host") + 1] == "127.0.0.1"
+    assert words[words.index("--port") + 1] == "30001"
+    config = render_role_template("vllm-fleet-endpoint.cfg.j2")
+    assert "bind 0.0.0.0:30000\n" in config and " ssl " not in config
+    assert "server router 127.0.0.1:30001" in config
+    assert "http-request deny deny_status 403 unless inference || health" in config
+
+
+def test_the_endpoint_terminates_tls_with_the_sites_certificate() -> None:
+    tls = site_tls()
+    config = render_role_template(
+        "vllm-fleet-endpoint.cfg.j2",
+        vllm_fleet_router_tls={"cert": tls.cert, "key": tls.key},
+        vllm_router_host="10.0.0.10",
+        vllm_fleet_router_port=443,
+    )
+    assert "bind 10.0.0.10:443 ssl crt /etc/vllm-fleet/tls/vllm-fleet-endpoint.pem" in config
+    assert "ssl-min-ver TLSv1.2" in config
+    # The key goes to its own 0640 file, never into the config.
+    assert tls.key.splitlines()[1] not in config
+
+
+@pytest.mark.parametrize(
+    ("path", "passes"),
+    [
+        ("/v1/completions", True),
+        ("/v1/chat/completions", True),
+        ("/v1/models", True),
+        ("/v1/responses/resp_1.a-b", True),
+        ("/add_worker", False),
+        ("/list_workers", False),
+        ("/workers", False),
+        ("/v1/../list_workers", False),
+        ("/v1/%2e%2e/list_workers", False),
+        ("/v1//x", False),
+        ("/v1/./models", False),
+        ("/v1", False),
+        ("/metrics", False),
+    ],
+)
+def test_clients_reach_the_inference_api_by_plain_paths_only(path: str, passes: bool) -> None:
+    pattern = templar().template(trust_as_template("{{ __vllm_router_client_path_re }}"))
+    assert bool(re.match(pattern, path)) is passes
+
+
+def test_a_key_pair_is_checked_before_anything_is_written() -> None:
+    tls = site_tls()
+    assert vllm_tls_problems({}) == []
+    assert vllm_tls_problems({"cert": tls.cert, "key": tls.key}) == []
+    wrong = vllm_tls_problems({"cert": tls.cert, "key": tls.other_key})
+    assert len(wrong) == 1 and "the key does not match the certificate" in wrong[0]
+    later = dt.datetime.now(dt.UTC) + dt.timedelta(days=60)
+    expired = vllm_tls_problems({"cert": tls.cert, "key": tls.key}, now=later)
+    assert len(expired) == 1 and expired[0].startswith("the certificate expired on")
+    assert "not a PEM certificate" in vllm_tls_problems({"cert": "x", "key": tls.key})[0]
+    garbled = vllm_tls_problems({"cert": tls.cert, "key": "-----BEGIN PRIVATE KEY-----\nxx"})
+    assert "not an unencrypted PEM private key" in garbled[0]
+    assert "set both cert and key" in vllm_tls_problems({"cert": tls.cert})[0]
+    for problems in (wrong, garbled):
+        assert all(tls.other_key.splitlines()[1] not in p for p in problems)
+
+
+def test_systemd_rates_the_endpoint_unit_like_the_router_unit(tmp_path: Path) -> None:
+    path = tmp_path / "vllm-fleet-endpoint.service"
+    path.write_text(render_role_template("vllm-fleet-endpoint.service.j2"))
     assert score(path) <= 4.5

@@ -98,6 +98,18 @@ def test_h200_keeps_fp8_with_default_nccl(storage: Path) -> None:
         "original", "FLASHMLA", {})  # fmt: skip
 
 
+def test_nvfp4_weights_before_sm100_warn_of_the_weight_only_fallback(storage: Path) -> None:
+    write_kimi_checkpoint(storage / "kimi")
+    h200 = run(args(storage, gpu=gpu("h200-x8")))
+    assert h200["problems"] == []
+    (warning,) = [w for w in h200["warnings_list"] if "NVFP4" in w]
+    assert warning.startswith("NVFP4 weights on SM9.0: these GPUs have no FP4 tensor cores")
+    assert "weight-only FP4 fallback" in warning and "bf16 speed" in warning
+    # FP4 tensor cores (SM12.0, SM10.0): nothing to say.
+    for native in ("rtx-pro-6000-x8", "b200-x8"):
+        assert not [w for w in run(args(storage, gpu=gpu(native)))["warnings_list"] if "NVFP4" in w]
+
+
 def test_profile_hints_before_download(storage: Path) -> None:
     result = run(args(storage, declared_attention="mla", declared_kv_cache_quant="fp8",
                       checkpoint_bytes=1000))  # fmt: skip

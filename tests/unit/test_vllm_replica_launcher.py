@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
+import os
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCHER = ROOT / "roles/vllm_service/files/vllm_replica.py"
@@ -278,3 +282,41 @@ def test_a_ray_worker_joins_after_its_leader_and_ends_with_it(tmp_path: Path) ->
         worker.kill()
     err = worker.stderr.read() if worker.stderr else ""
     assert f"the leader at 127.0.0.1:{watch} is gone" in err
+
+
+# Stands in for vLLM's CLI module (the `vllm` console script's), which the
+# launcher runs in its own process: it prints the argv it was run with and
+# whether it ran as __main__. The real `vllm serve` runs in the e2e fleet.
+CLI_STAND_IN = """import json, sys
+if __name__ == "__main__":
+    print(json.dumps(sys.argv), flush=True)
+"""
+
+
+@pytest.mark.parametrize("role", ["leader", "follower"])
+def test_each_node_runs_vllm_serve_through_vllms_cli(tmp_path: Path, role: str) -> None:
+    """The leader runs `vllm serve ARGS`, a follower `vllm serve ARGS --headless`,
+    both through vLLM's public CLI (vllm.entrypoints.cli.main), not its internals."""
+    cli = tmp_path / "site/vllm/entrypoints/cli"
+    cli.mkdir(parents=True)
+    for package in (cli.parents[1], cli.parent, cli):
+        (package / "__init__.py").write_text("")
+    (cli / "main.py").write_text(CLI_STAND_IN)
+    args = [
+        "/srv/m",
+        "--tensor-parallel-size",
+        "2",
+        "--node-rank",
+        "0" if role == "leader" else "1",
+    ]
+    done = subprocess.run(
+        [sys.executable, str(LAUNCHER), role, f"127.0.0.1:{free_port()}", "node-a", "--", *args],
+        env={**os.environ, "PYTHONPATH": str(tmp_path / "site"), "VLLM_FLEET_REPLICA_KEY": KEY},
+        capture_output=True, text=True, timeout=30, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    headless = ["--headless"] if role == "follower" else []
+    # runpy sets argv[0] to the module's file, as `python -m` does; vLLM parses argv[1:].
+    argv = json.loads(done.stdout.splitlines()[-1])
+    assert argv[0].endswith("vllm/entrypoints/cli/main.py")
+    assert argv[1:] == ["serve", *args, *headless]

