@@ -48,7 +48,13 @@ def vllm_tls_problems(tls: Any, now: dt.datetime | None = None) -> list[str]:
     """What is wrong with ``{cert, key}`` (PEM text); [] when it serves, or when TLS is off."""
     if not tls:
         return []
-    if not isinstance(tls, dict) or not tls.get("cert") or not tls.get("key"):
+    if not isinstance(tls, dict):
+        return ["give a mapping with cert and key (PEM text), or leave it empty for plain HTTP"]
+    unknown = sorted(str(name) for name in tls if name not in ("cert", "key"))
+    if unknown:
+        # A misspelt key name would otherwise read as a missing key.
+        return [f"unknown entries {', '.join(unknown)}: only cert and key are read"]
+    if not tls.get("cert") or not tls.get("key"):
         return ["set both cert and key (PEM text), or leave it empty for plain HTTP"]
     certs, problem = _certificates(str(tls["cert"]))
     if problem:

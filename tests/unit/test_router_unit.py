@@ -220,6 +220,9 @@ def test_a_key_pair_is_checked_before_anything_is_written() -> None:
     garbled = vllm_tls_problems({"cert": tls.cert, "key": "-----BEGIN PRIVATE KEY-----\nxx"})
     assert "not an unencrypted PEM private key" in garbled[0]
     assert "set both cert and key" in vllm_tls_problems({"cert": tls.cert})[0]
+    # A misspelt name is named, and the value under it (a key) is not shown.
+    typo = vllm_tls_problems({"cert": tls.cert, "kye": tls.key})
+    assert typo == ["unknown entries kye: only cert and key are read"], typo
     for problems in (wrong, garbled):
         assert all(tls.other_key.splitlines()[1] not in p for p in problems)
 
