@@ -152,7 +152,9 @@ def test_cannot_fit_fails_before_any_change_with_every_reason(tmp_path: Path) ->
     plays = [
         ev["event_data"]["play"] for ev in runner.events if ev["event"] == "playbook_on_play_start"
     ]
-    assert plays == ["Validate the deployment variables", "Preflight"]
+    # The validation plays (the fleet endpoint's has no router here), then preflight.
+    validation = ["Validate the deployment variables", "Validate the fleet endpoint"]
+    assert plays == [*validation, "Preflight"]
     assert changed_tasks(runner) == []
     assert list((tmp_path / "shared").iterdir()) == []
 
