@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -831,8 +832,8 @@ def test_the_fleet_endpoint_serves_clients_only_over_tls(deployed: Run) -> None:
     the router's worker API listens on the router host's loopback alone."""
     assert deployed.rc == 0, deployed.failed_msgs()
     workers = router_workers()
-    stranger = "http%3A%2F%2F127.0.0.1%3A9"
-    mine = worker_url(FIRST).replace(":", "%3A").replace("/", "%2F")
+    stranger = urllib.parse.quote("http://127.0.0.1:9", safe="")
+    mine = urllib.parse.quote(worker_url(FIRST), safe="")
     refused = {
         ("POST", f"/add_worker?url={stranger}"),
         ("POST", f"/remove_worker?url={mine}"),
