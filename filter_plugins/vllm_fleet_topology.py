@@ -191,7 +191,6 @@ LEADER = {
     "executor": "executor",
 }
 # vllm_service's default port, for a leader whose inventory sets none.
-DEFAULT_API_PORT = 8000
 
 
 def _replica_name(hostvars: Mapping[str, Any], host: str) -> str:
@@ -199,11 +198,16 @@ def _replica_name(hostvars: Mapping[str, Any], host: str) -> str:
 
 
 def replica_of(
-    name: str, host: str, hostvars: Mapping[str, Any], hosts: Sequence[str]
+    name: str,
+    host: str,
+    hostvars: Mapping[str, Any],
+    hosts: Sequence[str],
+    default_api_port: int,
 ) -> dict[str, Any]:
     """``host``'s replica ``name`` (its own vllm_fleet_replica) among ``hosts``: node count,
     rank, leader, its address and its API port (where followers wait for the replica's
-    /health). A node in no replica reads no hostvars (each read merges a node's variables)."""
+    /health; ``default_api_port``, role vllm_fleet's, where the leader's inventory sets
+    none). A node in no replica reads no hostvars (each read merges a node's variables)."""
     name = str(name or "")
     if not name:
         return {
@@ -222,7 +226,7 @@ def replica_of(
         "rank": int(hostvars[host].get("vllm_fleet_replica_rank") or 0),
         "leader": leader,
         "leader_address": str(address),
-        "leader_api_port": int(leading.get("vllm_service_port") or DEFAULT_API_PORT),
+        "leader_api_port": int(leading.get("vllm_fleet_port") or default_api_port),
         # Set on the leader like its address (or for the group); 0: the node's own.
         "leader_port": int(leading.get("vllm_fleet_replica_port") or 0),
     }

@@ -120,7 +120,7 @@ options:
     default: ''
   replica_api_port:
     description:
-      - The leader's API port (its C(vllm_service_port)), passed through to RV(plan.replica);
+      - The leader's API port (its C(vllm_fleet_port)), passed through to RV(plan.replica);
         followers wait on the leader's C(/health) there.
     type: int
     default: 8000

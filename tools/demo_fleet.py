@@ -185,7 +185,7 @@ def main(argv: list[str]) -> int:
     print()
     say("endpoints (OpenAI-compatible), each answering a sample chat completion:")
     for node in fleet.nodes:
-        port = nodes[node]["vllm_service_port"]
+        port = nodes[node]["vllm_fleet_port"]
         print(f"  {node}: http://127.0.0.1:{port}/v1  ->  {sample(port)}")
     router = fleet_mod.ROUTER_PORT
     say("the fleet endpoint (vllm-router in front of every node):")

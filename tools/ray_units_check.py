@@ -107,7 +107,7 @@ def install_unit(node: str, rank: int) -> str:
         inventory_hostname=node,
         vllm_fleet_plan={"tensor_parallel_size": 2, "replica": replica(rank)},
         vllm_service_venv=VENV,
-        vllm_service_port=8399,
+        vllm_fleet_port=8399,
         vllm_service_model_dir="/srv/models/kimi",
     )
     write(node, f"/etc/systemd/system/{UNIT}.service", text)

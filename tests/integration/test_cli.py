@@ -218,7 +218,7 @@ def test_status_reads_the_release_pointer_and_reports_no_server(tmp_path: Path) 
         f"vllm_fleet_release_root={releases}",
         # Nothing listens here: the node reports down, not an error.
         "-e",
-        '{"vllm_service_port": 9}',
+        '{"vllm_fleet_port": 9}',
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr
     final = events(done.stdout)[-1]

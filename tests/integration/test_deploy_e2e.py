@@ -89,7 +89,7 @@ RELEASES = f"/var/lib/vllm-fleet/releases/{SERVED}"
 def _inventory() -> dict[str, Any]:
     inventory = fleet_mod.inventory(fleet_mod.DEFAULT_NODES, PREFIX, router=True, monitoring=True)
     for host in inventory["gpu-nodes"]["hosts"].values():
-        host["vllm_service_port"] += PORT_OFFSET
+        host["vllm_fleet_port"] += PORT_OFFSET
     for host in inventory["routers"]["hosts"].values():
         host["vllm_fleet_router_port"] += PORT_OFFSET
         host["vllm_fleet_router_admin_port"] += PORT_OFFSET
@@ -387,7 +387,7 @@ def http(
     node: str, path: str, body: dict | None = None, key: str | None = API_KEY, timeout: float = 120
 ) -> Any:
     """Ask a node's server from the host (nodes share the host's network)."""
-    port = NODES[node]["vllm_service_port"]
+    port = NODES[node]["vllm_fleet_port"]
     request = urllib.request.Request(
         f"http://127.0.0.1:{port}{path}",
         data=json.dumps(body).encode() if body is not None else None,
@@ -547,7 +547,7 @@ def complete_via_router(key: str | None = API_KEY, timeout: float = 120) -> int:
 
 def node_metrics(node: str) -> str:
     """The node's vLLM /metrics, as Prometheus scrapes it."""
-    port = NODES[node]["vllm_service_port"]
+    port = NODES[node]["vllm_fleet_port"]
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
         return resp.read().decode()
 
@@ -618,7 +618,7 @@ def router_workers() -> dict[str, bool]:
 
 
 def worker_url(node: str) -> str:
-    return f"http://127.0.0.1:{NODES[node]['vllm_service_port']}"
+    return f"http://127.0.0.1:{NODES[node]['vllm_fleet_port']}"
 
 
 def endpoint_tls_vars() -> str:
@@ -695,7 +695,7 @@ def test_full_deploy_serves_on_every_node(deployed: Run, fleet: fleet_mod.Fleet)
         # metadata its CLI reads), run by the console script's interpreter.
         assert cmdline[1].endswith("/bin/vllm") and cmdline[2:4] == ["serve", view], cmdline
         assert API_KEY not in " ".join(cmdline)
-        assert f"--port\0{NODES[node]['vllm_service_port']}" in "\0".join(cmdline)
+        assert f"--port\0{NODES[node]['vllm_fleet_port']}" in "\0".join(cmdline)
         mode = node_sh(node, "stat", "-c", "%a %U", ENV_PATH).split()
         assert mode == ["600", "root"]
         assert API_KEY not in node_sh(node, "cat", UNIT_PATH)
@@ -772,7 +772,7 @@ def test_every_inference_route_asks_the_key_and_listens_on_the_fleet_address(
 ) -> None:
     """vLLM checks the key under /v1 only; the node's guard asks it everywhere else too."""
     assert deployed.rc == 0, deployed.failed_msgs()
-    port = NODES[FIRST]["vllm_service_port"]
+    port = NODES[FIRST]["vllm_fleet_port"]
     completion = {"model": SERVED, "prompt": "hi", "max_tokens": 2}
     routes = {
         # SageMaker's inference route: the same completions as /v1.
@@ -792,7 +792,7 @@ def test_every_inference_route_asks_the_key_and_listens_on_the_fleet_address(
     listeners = node_sh(FIRST, "ss", "-Hltn")
     MEASURED["listeners"] = listeners
     bound = {line.split()[3] for line in listeners.splitlines()}
-    for node_port in [NODES[n]["vllm_service_port"] for n in NODES] + [PROMETHEUS_PORT]:
+    for node_port in [NODES[n]["vllm_fleet_port"] for n in NODES] + [PROMETHEUS_PORT]:
         assert f"127.0.0.1:{node_port}" in bound and f"0.0.0.0:{node_port}" not in bound, bound
 
 
@@ -1085,7 +1085,7 @@ def test_cli_deploy_status_and_patch_config_on_the_fleet(
         host = summary["hosts"][name]
         assert (host["result"], host["health"], host["counts"]["changed"]) == ("ok", "ok", 0)
         assert str(host["vllm_version"]).startswith("0.32.0"), host
-        assert str(NODES[name]["vllm_service_port"]) in host["endpoint"]
+        assert str(NODES[name]["vllm_fleet_port"]) in host["endpoint"]
 
     status = cli(tmp_path, hub, inventory, "status")[-1]
     # Issue 15: the fleet endpoint and each worker as the router sees it.
@@ -1260,7 +1260,7 @@ def test_port_taken_fails_clearly_and_keeps_the_service(
         holder.bind(("0.0.0.0", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        run = deploy(tmp_path, hub, inventory, tags="service", limit=FIRST, vllm_service_port=port)
+        run = deploy(tmp_path, hub, inventory, tags="service", limit=FIRST, vllm_fleet_port=port)
     # The rollback waits on the release's own port, not on the -e port of the failed run.
     restored = f"automatic rollback: release {RELEASE_A[FIRST]['current']} was restored"
     _fails_intact(run, FIRST, before, str(port), restored + " and serves again")
@@ -1541,13 +1541,13 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
 def test_a_long_load_is_polled_by_one_retried_task(
     deployed: Run, hub: HubServer, inventory: Path, tmp_path: Path
 ) -> None:
-    probes, port = 120, NODES[FIRST]["vllm_service_port"] + 50
+    probes, port = 120, NODES[FIRST]["vllm_fleet_port"] + 50
     node_sh(FIRST, "systemd-run", f"--unit={STANDIN_UNIT}", "python3", "-c", STANDIN_SERVER,
             str(port), str(probes))  # fmt: skip
     try:
         run = play(
             tmp_path, hub, inventory, "tests/integration/playbooks/health_wait.yml",
-            limit=FIRST, vllm_service_unit=STANDIN_UNIT, vllm_service_port=port,
+            limit=FIRST, vllm_service_unit=STANDIN_UNIT, vllm_fleet_port=port,
             vllm_service_smoke=False, vllm_service_progress_interval_s=0,
             vllm_service_poll_interval_s=0,
         )  # fmt: skip
@@ -1655,7 +1655,7 @@ def test_one_replica_across_both_nodes_serves_and_restarts_whole(
     assert argv[1:6] == [LAUNCHER, "follower", f"127.0.0.1:{REPLICA_PORT + 1}", follower, "--"]
     assert "--port" not in argv and "api_server" not in cmdline
     assert "Application startup complete" not in followed
-    assert f":{NODES[follower]['vllm_service_port']} " not in node_sh(follower, "ss", "-ltn")
+    assert f":{NODES[follower]['vllm_fleet_port']} " not in node_sh(follower, "ss", "-ltn")
     # The fleet endpoint balances over the replica's leader only.
     assert list(router_workers()) == [worker_url(leader)]
     assert complete_via_router() == 200
@@ -1798,7 +1798,7 @@ def test_a_rolling_update_of_a_mixed_fleet_restarts_the_replica_whole(
     hosts = yaml.safe_load((replica / "hosts.yml").read_text())
     nodes = hosts["gpu-nodes"]["hosts"]
     spec = fleet_mod.inventory(3, PREFIX)["gpu-nodes"]["hosts"][third]
-    nodes[third] = {**spec, "vllm_service_port": spec["vllm_service_port"] + PORT_OFFSET}
+    nodes[third] = {**spec, "vllm_fleet_port": spec["vllm_fleet_port"] + PORT_OFFSET}
     nodes[third]["vllm_service_env"] = {"TORCHDYNAMO_DISABLE": "1"}
     (replica / "hosts.yml").write_text(yaml.safe_dump(hosts, sort_keys=False))
     joined = deploy(tmp_path, hub, replica)
@@ -1814,7 +1814,7 @@ def test_a_rolling_update_of_a_mixed_fleet_restarts_the_replica_whole(
     assert rolled.batch_hosts(ROLLING_PLAY) == [{leader, follower}, {third}]
     assert max(int(started(n)) for n in (leader, follower)) < int(started(third))
     serving(leader)
-    port = nodes[third]["vllm_service_port"]
+    port = nodes[third]["vllm_fleet_port"]
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as resp:
         assert resp.status == 200
     assert router_workers() == {worker_url(leader): True, f"http://127.0.0.1:{port}": True}

@@ -51,7 +51,7 @@ def run(
         "preflight_nvidia_smi": str(FAKE),
         # This machine's InfiniBand (if any) must not change the expected NCCL profile.
         "preflight_infiniband_sysfs": str(tmp_path / "no-infiniband"),
-        "vllm_service_port": free_port(),
+        "vllm_fleet_port": free_port(),
         **extravars,
     }
     # None removes a default (e.g. per-host nvidia-smi paths from the inventory).

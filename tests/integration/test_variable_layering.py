@@ -222,7 +222,7 @@ def plan_replica(
         "vllm_fleet_tensor_parallel_size": 2,
         "vllm_fleet_storage_root": str(storage),
         "preflight_storage_must_be_mount": False,
-        "vllm_service_port": free_port(),
+        "vllm_fleet_port": free_port(),
         "vllm_fleet_replica": "r1",
         "vllm_fleet_replica_secret": WATCH_SECRET,
     }
@@ -389,3 +389,56 @@ def test_serve_alone_refuses_a_replica_node_without_its_plan(tmp_path: Path) -> 
         "through deploy.yml or playbooks/service.yml, whose preflight plans each replica. "
         "Nothing was changed."
     )
+
+
+def test_an_old_variable_name_is_refused_with_its_new_name(tmp_path: Path) -> None:
+    # The API port is a fleet fact now (vllm_fleet_port): the old name would be ignored.
+    inventory = write_inventory(tmp_path / "inventory", {}, {"vllm_service_port": 8123})
+    runner = run(tmp_path, inventory)
+    assert runner.rc != 0
+    failed = [e["event_data"] for e in runner.events if e["event"] == "runner_on_failed"]
+    assert [(f["play"], f["host"], f["task"]) for f in failed] == [
+        ("Validate the deployment variables", "node-b", "Refuse the variables that have a new name")
+    ]
+    assert "vllm_service_port is now vllm_fleet_port" in failed[0]["res"]["msg"]
+
+
+def test_a_device_outside_the_fleets_choices_is_refused_by_the_fleets_spec(tmp_path: Path) -> None:
+    inventory = write_inventory(tmp_path / "inventory", {"vllm_fleet_device": "gpu"}, {})
+    runner = run(tmp_path, inventory)
+    assert runner.rc != 0
+    failed = [e["event_data"] for e in runner.events if e["event"] == "runner_on_failed"]
+    assert {f["play"] for f in failed} == {"Validate the deployment variables"}
+    assert {f["task"] for f in failed} == {
+        "Check the fleet defaults and the profile's values against role vllm_fleet's spec"
+    }
+    msg = failed[0]["res"]["msg"]
+    assert "vllm_fleet_device" in msg and "cuda, cpu" in msg, msg
+
+
+def test_a_profile_may_set_the_nccl_switches_and_the_plan_follows(tmp_path: Path) -> None:
+    # A site's profile for a PCIe box whose P2P hangs: the switch is a profile value.
+    profiles = tmp_path / "models"
+    profiles.mkdir()
+    (profiles / "tiny-kimi.yml").write_text(
+        yaml.safe_dump({**PROFILE, "vllm_fleet_nccl_p2p_disable": True})
+    )
+    storage = tmp_path / "storage"
+    storage.mkdir()
+    group = {
+        "vllm_fleet_profiles_dir": str(profiles),
+        "vllm_fleet_device": "cpu",
+        "vllm_fleet_storage_root": str(storage),
+        "preflight_storage_must_be_mount": False,
+        "vllm_fleet_port": free_port(),
+    }
+    runner = run(tmp_path, write_inventory(tmp_path / "inventory", group, {}), PLAN_PLAYBOOK)
+    assert runner.rc == 0, runner.stdout.read()[-3000:]
+    plans = [
+        e["event_data"]["res"]["ansible_facts"]["vllm_fleet_plan"]
+        for e in runner.events
+        if e["event"] == "runner_on_ok"
+        and "vllm_fleet_plan" in e["event_data"]["res"].get("ansible_facts", {})
+    ]
+    assert len(plans) == 2
+    assert all(plan["disable_custom_all_reduce"] is True for plan in plans), plans

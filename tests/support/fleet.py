@@ -181,7 +181,7 @@ def inventory(
     cpus = cpus or os.cpu_count() or 1
     hosts = {
         name: {
-            "vllm_service_port": BASE_SERVICE_PORT + i,
+            "vllm_fleet_port": BASE_SERVICE_PORT + i,
             "vllm_service_cpu_bind": str((i - 1) % cpus),
             "vllm_fleet_node_ssh_port": BASE_SSH_PORT + i,
         }

@@ -153,35 +153,27 @@ def test_a_node_finds_its_replica_and_the_leader_address_in_the_inventory() -> N
         "c": {},
     }  # fmt: skip
     hosts = ["a", "b", "c"]
-    assert topology.replica_of(hostvars["a"].get("vllm_fleet_replica"), "a", hostvars, hosts) == {
+
+    def replica(host: str) -> dict:
+        # 8000: role vllm_fleet's default API port, where the leader sets none.
+        return topology.replica_of(
+            hostvars[host].get("vllm_fleet_replica"), host, hostvars, hosts, 8000
+        )
+
+    assert replica("a") == {
         "name": "r1", "nodes": 2, "rank": 1, "leader": "b", "leader_address": "10.0.0.2",
         "leader_api_port": 8000, "leader_port": 0,
     }  # fmt: skip
     # The leader's own vllm_fleet_replica_address wins over its ansible_host.
     hostvars["b"]["vllm_fleet_replica_address"] = "192.168.7.2"
-    assert (
-        topology.replica_of(hostvars["b"].get("vllm_fleet_replica"), "b", hostvars, hosts)[
-            "leader_address"
-        ]
-        == "192.168.7.2"
-    )
+    assert replica("b")["leader_address"] == "192.168.7.2"
     # Followers wait on the leader's own API port.
-    hostvars["b"]["vllm_service_port"] = "8802"
-    assert (
-        topology.replica_of(hostvars["a"].get("vllm_fleet_replica"), "a", hostvars, hosts)[
-            "leader_api_port"
-        ]
-        == 8802
-    )
+    hostvars["b"]["vllm_fleet_port"] = "8802"
+    assert replica("a")["leader_api_port"] == 8802
     # And at the leader's rendezvous port.
     hostvars["b"]["vllm_fleet_replica_port"] = 29531
-    assert (
-        topology.replica_of(hostvars["a"].get("vllm_fleet_replica"), "a", hostvars, hosts)[
-            "leader_port"
-        ]
-        == 29531
-    )
-    assert topology.replica_of(hostvars["c"].get("vllm_fleet_replica"), "c", hostvars, hosts) == {
+    assert replica("a")["leader_port"] == 29531
+    assert replica("c") == {
         "name": "", "nodes": 1, "rank": 0, "leader": "c", "leader_address": "",
         "leader_api_port": 0, "leader_port": 0,
     }  # fmt: skip

@@ -47,6 +47,7 @@ def templar(**overrides: Any) -> Templar:
     variables: dict[str, Any] = {}
     for path in (
         ROOT / "roles/vllm_fleet/defaults/main.yml",
+        ROOT / "roles/vllm_fleet/vars/main.yml",
         ROLE / "defaults/main.yml",
         ROLE / "vars/main.yml",
     ):
@@ -105,7 +106,7 @@ def test_the_members_are_the_inventorys_nodes_only() -> None:
         "gpu-b": {"vllm_router_probe": {"status": 200, "url": "http://10.0.0.12:8000/health"},
                   "vllm_router_keep_out": "http://10.0.0.12:8000"},
         # Outside this run (-l): keeps its place if the router has it.
-        "gpu-c": {"ansible_host": "10.0.0.13", "vllm_service_port": 8100},
+        "gpu-c": {"ansible_host": "10.0.0.13", "vllm_fleet_port": 8100},
         "gpu-d": {"ansible_host": "10.0.0.14"},
         # A replica's follower serves no API.
         "gpu-e": {"ansible_host": "10.0.0.15", "vllm_fleet_replica_rank": 1},
@@ -134,7 +135,7 @@ def test_the_members_are_the_inventorys_nodes_only() -> None:
     ],
 )
 def test_a_url_that_is_not_scheme_host_port_is_caught(url: str) -> None:
-    pattern = templar().template(trust_as_template("{{ __vllm_router_url_re }}"))
+    pattern = templar().template(trust_as_template("{{ vllm_fleet_worker_url_re }}"))
     assert not re.match(pattern, url)
     assert all(re.match(pattern, good) for good in GOOD)
 

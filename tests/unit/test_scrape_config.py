@@ -23,7 +23,7 @@ INVENTORY = {
             "gpu-b": {
                 "ansible_host": "10.0.0.12",
                 "vllm_fleet_node_address": "192.168.1.12",
-                "vllm_service_port": 8100,
+                "vllm_fleet_port": 8100,
             },
             "gpu-c": {},
         }
@@ -42,7 +42,9 @@ def render(tmp_path: Path, inventory: dict, limit: str = "all", **extra: Any) ->
     rules = out / "vllm-fleet.rules.yml"
     play = [{
         "hosts": "monitoring", "gather_facts": False, "connection": "local",
-        "vars_files": [str(ROLE / "defaults/main.yml"), str(ROLE / "vars/main.yml")],
+        "vars_files": [str(ROLE / "defaults/main.yml"), str(ROLE / "vars/main.yml"),
+                       # Role vllm_fleet's contract (the API port's default).
+                       str(ROOT / "roles/vllm_fleet/vars/main.yml")],
         "vars": {"vllm_fleet_monitoring_port": 9090,
                  # Role vllm_fleet's default: the host's fleet address.
                  "vllm_fleet_node_address": "{{ ansible_host | default(inventory_hostname) }}"},

@@ -67,7 +67,7 @@ def run_smoke(tmp_path: Path, port: int, engine_args: dict) -> dict:
         "hosts": "localhost", "gather_facts": False,
         "tasks": [
             {"ansible.builtin.include_role": {"name": "vllm_service", "tasks_from": "smoke.yml"},
-             "vars": {"vllm_service_served_name": "tiny", "vllm_service_port": port,
+             "vars": {"vllm_service_served_name": "tiny", "vllm_fleet_port": port,
                       "vllm_service_host": "127.0.0.1",
                       "vllm_service_engine_args": engine_args}},
             {"ansible.builtin.copy": {"content": "{{ vllm_service_smoke_result | to_json }}",

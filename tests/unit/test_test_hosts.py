@@ -35,7 +35,7 @@ def test_demo_inventory_is_the_generated_one():
 def test_inventory_gives_each_node_its_own_ports_and_core():
     hosts = fleet.inventory(3, cpus=2)["gpu-nodes"]["hosts"]
     assert list(hosts) == ["vf-node1", "vf-node2", "vf-node3"]
-    ports = [h["vllm_service_port"] for h in hosts.values()]
+    ports = [h["vllm_fleet_port"] for h in hosts.values()]
     ssh_ports = [h["vllm_fleet_node_ssh_port"] for h in hosts.values()]
     assert len(set(ports)) == 3 and len(set(ssh_ports)) == 3
     assert [h["vllm_service_cpu_bind"] for h in hosts.values()] == ["0", "1", "0"]

@@ -53,6 +53,7 @@ def render(loader: DataLoader, template: str, **overrides: Any) -> str:
     for path in (
         ROLE / "defaults/main.yml",
         ROOT / "roles/vllm_fleet/defaults/main.yml",
+        ROOT / "roles/vllm_fleet/vars/main.yml",
         ROOT / "playbooks/models/kimi-k2.5-nvfp4.yml",
         ROLE / "vars/main.yml",
     ):
@@ -81,7 +82,7 @@ def test_kimi_unit_has_plan_args_env_and_restart_policy(loader: DataLoader, venv
         "vllm.service.j2",
         vllm_fleet_plan=plan,
         vllm_service_venv=str(venv),
-        vllm_service_port=8001,
+        vllm_fleet_port=8001,
     )
     (exec_start,) = directive(unit, "ExecStart")
     # vLLM's supported entry point, the model positional (not the deprecated module).
