@@ -319,7 +319,7 @@ import socket
 import tempfile
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.hf_download import DownloadError, Options, verify_local
+from ansible.module_utils.hf_manifest import DownloadError, Options, verify_local
 from ansible.module_utils.hf_quant import read_own_bytes
 from ansible.module_utils.parsing.convert_bool import boolean
 from ansible.module_utils.vllm_fleet_compat import (
