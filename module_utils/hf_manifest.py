@@ -6,7 +6,7 @@ What a node needs to prove a checkpoint on shared storage without the hub: read 
 manifest that a download wrote beside the checkpoint (``state_dir/manifest.json``),
 check each file against it (one stat per file when its stamp did not move, else a
 digest: sha256 for LFS files, git blob sha1 otherwise) and report what differs. The
-plan (module vllm_fleet_plan) and the checkpoint views read this module only; the hub
+plan (module vllm_fleet_plan) reads this module only; the hub
 transport (hf_download.py) builds on it, never the other way round.
 """
 
