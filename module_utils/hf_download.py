@@ -72,6 +72,7 @@ from ansible.module_utils.hf_manifest import (  # noqa: F401 (re-exported for ca
     open_own,
     own_dir,
     progress_path,
+    progress_record,
     read_manifest,
     read_progress,
     recorded_entries,
@@ -469,22 +470,7 @@ class Progress:
             self.files_done += 1
 
     def snapshot(self) -> dict[str, Any]:
-        elapsed = max(time.monotonic() - self.started, 1e-6)
-        rate = self.fetched_bytes / elapsed
-        left = self.bytes_total - self.bytes_done
-        return {
-            "state": self.state,
-            "pid": os.getpid(),
-            "files_done": self.files_done,
-            "files_total": self.files_total,
-            "bytes_done": self.bytes_done,
-            "bytes_total": self.bytes_total,
-            "rate_bytes_per_s": int(rate),
-            "eta_s": int(left / rate) if rate > 0 else None,
-            "elapsed_s": round(elapsed, 1),
-            "error": self.error,
-            "updated": time.time(),
-        }
+        return progress_record(self, self.state, self.fetched_bytes, self.started, self.error)
 
     def write(self) -> None:
         # Advisory: a full disk must not hide the transfer's own error behind this one.

@@ -371,6 +371,30 @@ def human(n: float) -> str:
     return f"{n:.1f} TB"
 
 
+def progress_record(
+    counts: Any, state: str, moved_bytes: int, started: float, error: str
+) -> dict[str, Any]:
+    """progress.json's record (the CLI and the progress callback read it): ``counts``
+    carries files_done/_total and bytes_done/_total; the rate is of ``moved_bytes``
+    (hashed, or fetched from the hub) since ``started`` (time.monotonic)."""
+    elapsed = max(time.monotonic() - started, 1e-6)
+    rate = moved_bytes / elapsed
+    left = counts.bytes_total - counts.bytes_done
+    return {
+        "state": state,
+        "pid": os.getpid(),
+        "files_done": counts.files_done,
+        "files_total": counts.files_total,
+        "bytes_done": counts.bytes_done,
+        "bytes_total": counts.bytes_total,
+        "rate_bytes_per_s": int(rate),
+        "eta_s": int(left / rate) if rate > 0 else None,
+        "elapsed_s": round(elapsed, 1),
+        "error": error,
+        "updated": time.time(),
+    }
+
+
 class HashProgress:
     """progress.json while a full verify hashes (files and bytes hashed), once a second.
 
@@ -395,25 +419,10 @@ class HashProgress:
             self.bytes_done += nbytes
 
     def write(self) -> None:
-        elapsed = max(time.monotonic() - self.started, 1e-6)
-        rate = self.bytes_done / elapsed
-        left = self.bytes_total - self.bytes_done
         with contextlib.suppress(OSError):
             write_json_atomic(
                 self.path,
-                {
-                    "state": "hashing",
-                    "pid": os.getpid(),
-                    "files_done": self.files_done,
-                    "files_total": self.files_total,
-                    "bytes_done": self.bytes_done,
-                    "bytes_total": self.bytes_total,
-                    "rate_bytes_per_s": int(rate),
-                    "eta_s": int(left / rate) if rate > 0 else None,
-                    "elapsed_s": round(elapsed, 1),
-                    "error": "",
-                    "updated": time.time(),
-                },
+                progress_record(self, "hashing", self.bytes_done, self.started, ""),
             )
 
     def _loop(self) -> None:
