@@ -394,14 +394,18 @@ def test_serve_alone_refuses_a_replica_node_without_its_plan(tmp_path: Path) -> 
 
 def test_an_old_variable_name_is_refused_with_its_new_name(tmp_path: Path) -> None:
     # The API port is a fleet fact now (vllm_fleet_port): the old name would be ignored.
-    inventory = write_inventory(tmp_path / "inventory", {}, {"vllm_service_port": 8123})
+    old = {"vllm_service_port": 8123, "preflight_gpu_memory_utilization": 0.8}
+    inventory = write_inventory(tmp_path / "inventory", {}, old)
     runner = run(tmp_path, inventory)
     assert runner.rc != 0
     failed = [e["event_data"] for e in runner.events if e["event"] == "runner_on_failed"]
     assert [(f["play"], f["host"], f["task"]) for f in failed] == [
         ("Validate the deployment variables", "node-b", "Refuse the variables that have a new name")
     ]
-    assert "vllm_service_port is now vllm_fleet_port" in failed[0]["res"]["msg"]
+    msg = failed[0]["res"]["msg"]
+    assert "vllm_service_port is now vllm_fleet_port" in msg, msg
+    # Preflight reads the fleet's names: its own aliases of an earlier release are refused too.
+    assert "preflight_gpu_memory_utilization is now vllm_fleet_engine_args" in msg, msg
 
 
 def test_a_device_outside_the_fleets_choices_is_refused_by_the_fleets_spec(tmp_path: Path) -> None:

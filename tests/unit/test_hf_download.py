@@ -329,7 +329,7 @@ def test_plan_with_another_hub_version_plans_nothing_and_names_the_installed_one
 ) -> None:
     # The module imports its module_utils as Ansible ships them; here that is hf_download.
     monkeypatch.setitem(sys.modules, "ansible.module_utils.hf_download", hd)
-    snapshot = load_module("hf_snapshot")
+    snapshot = load_module("hf_snapshot", "roles/model_download/library")
     installed = version("huggingface_hub")
     args = {
         "mode": "plan",

@@ -34,7 +34,9 @@ def playbook(tmp_path: Path, verbosity: int = 0) -> str:
     play = [{"hosts": "localhost", "gather_facts": False, "tasks": [
         {"name": "Follow a job", **wait}, {"name": "Retry a command", **other}]}]  # fmt: skip
     (tmp_path / "play.yml").write_text(json.dumps(play))
-    env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg")}
+    # hf_snapshot is role model_download's module, run here outside the role.
+    env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"),
+           "ANSIBLE_LIBRARY": str(ROOT / "roles/model_download/library")}  # fmt: skip
     args = [str(Path(sys.executable).parent / "ansible-playbook"), "-i", "localhost,",
             "-c", "local", "-e", f"ansible_python_interpreter={sys.executable}",
             str(tmp_path / "play.yml")]  # fmt: skip

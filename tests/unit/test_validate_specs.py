@@ -1,4 +1,4 @@
-"""playbooks/validate.yml checks the variables against the union of every role's spec."""
+"""Role vllm_fleet's validation checks the variables against the union of every role's spec."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def validated_roles() -> list[str]:
-    plays = yaml.safe_load((ROOT / "playbooks/validate.yml").read_text())
-    (play,) = [play for play in plays if "__validate_roles" in play.get("vars", {})]
-    return play["vars"]["__validate_roles"]
+    # Role vllm_fleet's validation (entry point validate, playbooks/validate.yml).
+    return yaml.safe_load((ROOT / "roles/vllm_fleet/vars/main.yml").read_text())[
+        "__vllm_fleet_validate_roles"
+    ]
 
 
 def test_the_union_covers_every_role_with_a_spec_and_no_name_is_shared() -> None:
