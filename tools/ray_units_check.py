@@ -106,9 +106,9 @@ def install_unit(node: str, rank: int) -> str:
         "vllm.service.j2",
         inventory_hostname=node,
         vllm_fleet_plan={"tensor_parallel_size": 2, "replica": replica(rank)},
-        vllm_service_venv=VENV,
+        vllm_fleet_venv=VENV,
         vllm_fleet_port=8399,
-        vllm_service_model_dir="/srv/models/kimi",
+        vllm_fleet_model_dir="/srv/models/kimi",
     )
     write(node, f"/etc/systemd/system/{UNIT}.service", text)
     sh(node, "mkdir", "-p", "/etc/vllm-fleet", "/srv/models/kimi", str(Path(LAUNCHER).parent))

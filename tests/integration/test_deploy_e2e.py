@@ -1547,7 +1547,7 @@ def test_a_long_load_is_polled_by_one_retried_task(
     try:
         run = play(
             tmp_path, hub, inventory, "tests/integration/playbooks/health_wait.yml",
-            limit=FIRST, vllm_service_unit=STANDIN_UNIT, vllm_fleet_port=port,
+            limit=FIRST, vllm_fleet_unit=STANDIN_UNIT, vllm_fleet_port=port,
             vllm_service_smoke=False, vllm_service_progress_interval_s=0,
             vllm_service_poll_interval_s=0,
         )  # fmt: skip
@@ -1841,7 +1841,7 @@ def test_a_replica_node_that_fails_returns_the_replica_whole(
     # the leader sends, is longer: 400.
     hosts = yaml.safe_load((replica / "hosts.yml").read_text())
     for node in (leader, follower):
-        hosts["gpu-nodes"]["hosts"][node]["vllm_service_engine_args"] = {
+        hosts["gpu-nodes"]["hosts"][node]["vllm_fleet_engine_args"] = {
             **PROFILE["vllm_fleet_engine_args"],
             "max-model-len": 16,
         }

@@ -67,9 +67,9 @@ def run_smoke(tmp_path: Path, port: int, engine_args: dict) -> dict:
         "hosts": "localhost", "gather_facts": False,
         "tasks": [
             {"ansible.builtin.include_role": {"name": "vllm_service", "tasks_from": "smoke.yml"},
-             "vars": {"vllm_service_served_name": "tiny", "vllm_fleet_port": port,
-                      "vllm_service_host": "127.0.0.1",
-                      "vllm_service_engine_args": engine_args}},
+             "vars": {"vllm_fleet_served_name": "tiny", "vllm_fleet_port": port,
+                      "vllm_fleet_node_address": "127.0.0.1",
+                      "vllm_fleet_engine_args": engine_args}},
             {"ansible.builtin.copy": {"content": "{{ vllm_service_smoke_result | to_json }}",
                                       "dest": str(out), "mode": "0600"}},
         ],

@@ -81,7 +81,7 @@ def test_kimi_unit_has_plan_args_env_and_restart_policy(loader: DataLoader, venv
         loader,
         "vllm.service.j2",
         vllm_fleet_plan=plan,
-        vllm_service_venv=str(venv),
+        vllm_fleet_venv=str(venv),
         vllm_fleet_port=8001,
     )
     (exec_start,) = directive(unit, "ExecStart")
@@ -117,7 +117,7 @@ def test_p2p_disabled_plan_adds_flag_and_env(loader: DataLoader, venv: Path) -> 
         "nccl_env": {"NCCL_PROTO": "LL", "NCCL_P2P_DISABLE": "1"},
         "disable_custom_all_reduce": True,
     }
-    unit = render(loader, "vllm.service.j2", vllm_fleet_plan=plan, vllm_service_venv=str(venv))
+    unit = render(loader, "vllm.service.j2", vllm_fleet_plan=plan, vllm_fleet_venv=str(venv))
     (exec_start,) = directive(unit, "ExecStart")
     assert exec_start.count("--disable-custom-all-reduce") == 1
     assert "NCCL_P2P_DISABLE=1" in directive(unit, "Environment")
@@ -127,7 +127,7 @@ def test_unit_never_carries_secrets(loader: DataLoader, venv: Path) -> None:
     unit = render(
         loader,
         "vllm.service.j2",
-        vllm_service_venv=str(venv),
+        vllm_fleet_venv=str(venv),
         vllm_fleet_api_key="sk-unit-secret",
         vllm_fleet_hf_token="hf_unit_secret",
     )
@@ -151,7 +151,7 @@ def test_the_hub_token_reaches_the_engine_only_when_it_needs_the_hub(
     hub = {"vllm_fleet_hf_token": "hf_unit_secret", "vllm_fleet_engine_needs_hub": True}
     env_file = render(loader, "vllm.env.j2", **hub)
     assert 'HF_TOKEN="hf_unit_secret"' in env_file
-    unit = render(loader, "vllm.service.j2", vllm_service_venv=str(venv), **hub)
+    unit = render(loader, "vllm.service.j2", vllm_fleet_venv=str(venv), **hub)
     assert "HF_HUB_OFFLINE=0" in directive(unit, "Environment")
     assert "hf_unit_secret" not in unit
 
@@ -163,13 +163,13 @@ def test_a_replicas_watch_secret_is_in_the_env_file_only(loader: DataLoader, ven
     env_file = render(loader, "vllm.env.j2", vllm_fleet_plan=plan, **secret)
     assert 'VLLM_FLEET_REPLICA_KEY="watch-unit-secret"' in env_file
     unit = render(
-        loader, "vllm.service.j2", vllm_fleet_plan=plan, vllm_service_venv=str(venv), **secret
+        loader, "vllm.service.j2", vllm_fleet_plan=plan, vllm_fleet_venv=str(venv), **secret
     )
     assert "watch-unit-secret" not in unit
 
 
 def test_the_unit_and_the_bench_share_one_sandbox(loader: DataLoader, venv: Path) -> None:
-    unit = render(loader, "vllm.service.j2", vllm_service_venv=str(venv))
+    unit = render(loader, "vllm.service.j2", vllm_fleet_venv=str(venv))
     properties = loader.load_from_file(str(ROLE / "vars/main.yml"))["__vllm_service_sandbox"]
     assert "ProtectSystem=strict" in properties and "SystemCallFilter=~@privileged" in properties
     assert all(f"\n{p}\n" in unit for p in properties), unit
@@ -181,7 +181,7 @@ def test_kv_cache_dtype_and_cpu_bind_only_when_set(loader: DataLoader, venv: Pat
     unit = render(
         loader,
         "vllm.service.j2",
-        vllm_service_venv=str(venv),
+        vllm_fleet_venv=str(venv),
         vllm_service_kv_cache_dtype="fp8",
         vllm_service_cpu_bind="1",
     )
@@ -203,9 +203,9 @@ def test_rendered_unit_passes_systemd_analyze_verify(
     unit = render(
         loader,
         "vllm.service.j2",
-        vllm_service_venv=str(venv),
+        vllm_fleet_venv=str(venv),
         vllm_fleet_engine_args=engine_args,
-        vllm_service_engine_env={"SPACED": "a b", "PCT": "5%"},
+        vllm_fleet_engine_env={"SPACED": "a b", "PCT": "5%"},
     )
     path = tmp_path / "vllm-kimi-k2.5.service"
     path.write_text(unit)
@@ -234,8 +234,8 @@ def test_unit_is_sandboxed_but_keeps_what_gpus_need(loader: DataLoader, venv: Pa
     unit = render(
         loader,
         "vllm.service.j2",
-        vllm_service_venv=str(venv),
-        vllm_service_model_dir="/mnt/models/kimi 100%",
+        vllm_fleet_venv=str(venv),
+        vllm_fleet_model_dir="/mnt/models/kimi 100%",
     )
     assert directive(unit, "RequiresMountsFor") == ['"/mnt/models/kimi 100%%"']
     assert directive(unit, "UMask") == ["0077"]
@@ -252,7 +252,7 @@ def test_unit_is_sandboxed_but_keeps_what_gpus_need(loader: DataLoader, venv: Pa
 def test_systemd_rates_the_unit_exposure_ok(loader: DataLoader, venv: Path, tmp_path: Path) -> None:
     """The same rating the Molecule scenario asserts on the installed unit."""
     path = tmp_path / "vllm-kimi-k2.5.service"
-    path.write_text(render(loader, "vllm.service.j2", vllm_service_venv=str(venv)))
+    path.write_text(render(loader, "vllm.service.j2", vllm_fleet_venv=str(venv)))
     result = subprocess.run(
         ["systemd-analyze", "security", "--offline=true", "--no-pager", str(path)],
         capture_output=True, text=True, check=False,
@@ -283,7 +283,7 @@ def test_a_replica_leader_serves_and_a_follower_runs_headless(
             loader,
             "vllm.service.j2",
             vllm_fleet_plan={"tensor_parallel_size": 8, "replica": replica(rank)},
-            vllm_service_venv=str(venv),
+            vllm_fleet_venv=str(venv),
         )
         for rank in (0, 1)
     }
@@ -314,7 +314,7 @@ def test_a_replica_leader_serves_and_a_follower_runs_headless(
         "vLLM follower (rank 1, headless) server for kimi-k2.5"
     ]
     # A node alone: the API server as before, no launcher.
-    alone = render(loader, "vllm.service.j2", vllm_service_venv=str(venv))
+    alone = render(loader, "vllm.service.j2", vllm_fleet_venv=str(venv))
     assert directive(alone, "ExecStart")[0].startswith(f"{venv}/bin/vllm serve {model} --")
     assert "nnodes" not in alone and LAUNCHER not in alone
 
@@ -342,7 +342,7 @@ def test_a_ray_replica_runs_head_and_worker_in_the_same_sandboxed_unit(
                 "tensor_parallel_size": 8,
                 "replica": {**replica(rank), "executor": executor},
             },
-            vllm_service_venv=str(venv),
+            vllm_fleet_venv=str(venv),
         )
         for executor in ("mp", "ray")
         for rank in (0, 1)
@@ -404,7 +404,7 @@ def test_the_server_binds_the_fleet_address_and_asks_the_key_everywhere(
     """vLLM (and its /metrics) on the node's fleet address only, with the key guard."""
     guard = "/usr/local/lib/vllm-fleet/vllm_fleet_auth.py"
     guard_sha = hashlib.sha256((ROLE / "files/vllm_fleet_auth.py").read_bytes()).hexdigest()
-    unit = render(loader, "vllm.service.j2", vllm_service_venv=str(venv), ansible_host="10.0.0.11")
+    unit = render(loader, "vllm.service.j2", vllm_fleet_venv=str(venv), ansible_host="10.0.0.11")
     (argv,) = directive(unit, "ExecStart")
     assert "--host 10.0.0.11 " in argv and "0.0.0.0" not in unit
     assert "--middleware vllm_fleet_auth.RequireKey" in argv
@@ -414,7 +414,7 @@ def test_the_server_binds_the_fleet_address_and_asks_the_key_everywhere(
     named = render(
         loader,
         "vllm.service.j2",
-        vllm_service_venv=str(venv),
+        vllm_fleet_venv=str(venv),
         ansible_host="10.0.0.11",
         vllm_fleet_node_address="192.168.7.11",
     )
@@ -423,6 +423,6 @@ def test_the_server_binds_the_fleet_address_and_asks_the_key_everywhere(
         loader,
         "vllm.service.j2",
         vllm_fleet_plan={"tensor_parallel_size": 8, "replica": replica(1)},
-        vllm_service_venv=str(venv),
+        vllm_fleet_venv=str(venv),
     )
     assert "--middleware" not in directive(follower, "ExecStart")[0] and guard not in follower
