@@ -32,7 +32,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -476,6 +476,31 @@ def journal(node: str, since: str) -> str:
 
 def node_now(node: str) -> str:
     return node_sh(node, "date", "+%Y-%m-%d %H:%M:%S").strip()
+
+
+def unit_jobs(node: str, since: str) -> list[tuple[int, str]]:
+    """The unit's jobs the node's systemd finished since `since`, from its journal:
+    (monotonic microseconds, job type). The containers share the host kernel's
+    monotonic clock, so the times of several nodes compare."""
+    out = node_sh(node, "journalctl", f"UNIT={UNIT}", "-o", "json", "--no-pager", "--since", since)
+    return [
+        (int(entry["__MONOTONIC_TIMESTAMP"]), entry["JOB_TYPE"])
+        for entry in map(json.loads, out.splitlines())
+        if entry.get("JOB_RESULT") == "done" and "JOB_TYPE" in entry
+    ]
+
+
+def last_stop_and_first_start(nodes: Iterable[str], since: str) -> tuple[int, int]:
+    """Across the nodes, from their journals: the latest stop that preceded a node's
+    final start, and the earliest final start. The first below the second: every
+    node had stopped before any started."""
+    stops, starts = [], []
+    for node in nodes:
+        jobs = unit_jobs(node, since)
+        final = max(t for t, kind in jobs if kind in ("start", "restart"))
+        stops.append(max(t for t, kind in jobs if kind == "stop" and t < final))
+        starts.append(final)
+    return max(stops), min(starts)
 
 
 def health(node: str) -> bool:
@@ -1617,6 +1642,190 @@ def replica_inventory(inventory: Path, directory: Path) -> tuple[Path, str, str]
     return directory, leader, follower
 
 
+# The rolling step's faults (issue 34). Each change reaches both nodes, so the
+# roll would take FIRST in the first batch and the other node in the second.
+FAULT_ENV = "VLLM_FLEET_E2E_FAULT"
+
+
+def wait_until(check: Callable[[], bool], limit_s: float, what: str) -> None:
+    deadline = time.monotonic() + limit_s
+    while not check():
+        assert time.monotonic() < deadline, f"{what}: not within {limit_s:.0f} s"
+        time.sleep(1)
+
+
+def endpoint_completes() -> bool:
+    try:
+        return complete_via_router(timeout=10) == 200
+    except OSError:
+        return False
+
+
+def released_unit_is_live(node: str) -> bool:
+    """The node's current release holds the very unit file the node runs."""
+    stored = f"{RELEASES}/current/{Path(UNIT_PATH).name}"
+    return len(set(node_sh(node, "sha256sum", UNIT_PATH, stored).split()[::2])) == 1
+
+
+class KillOnRestart(threading.Thread):
+    """Kills a container (power loss) once `watched`'s engine has restarted: its old
+    process gone, a new one running, i.e. in the middle of its rolling step."""
+
+    def __init__(self, watched: str, victim: str) -> None:
+        super().__init__(daemon=True)
+        self.watched, self.victim = watched, victim
+        self.old_pid = unit_state(watched)["MainPID"]
+        self.stop, self.killed = threading.Event(), threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.wait(0.5):
+            try:
+                pid = unit_state(self.watched)["MainPID"]
+            except (fleet_mod.FleetError, subprocess.CalledProcessError):
+                continue
+            if pid not in ("0", self.old_pid):
+                fleet_mod.kill_node(self.victim)
+                self.killed.set()
+                return
+
+    def __enter__(self) -> KillOnRestart:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.join()
+
+
+def test_a_failed_batch_stops_the_roll_before_the_next_node(
+    deployed: Run, hub: HubServer, inventory: Path, tmp_path: Path
+) -> None:
+    """vllm_fleet_max_fail_percentage (0): both nodes differ, FIRST's new release fails
+    its smoke test (a context shorter than the smoke request), returns to its last good
+    release and stays out of the routers; the roll stops there: the other node is never
+    touched, keeps its process and serves every client throughout."""
+    (other,) = [node for node in NODES if node != FIRST]
+    before = {node: snapshot(node) for node in NODES}
+    pids = {node: unit_state(node)["MainPID"] for node in NODES}
+    short = {**PROFILE["vllm_fleet_engine_args"], "max-model-len": 16}
+    host_vars = inventory / "host_vars"
+    host_vars.mkdir(exist_ok=True)
+    (host_vars / f"{FIRST}.yml").write_text(yaml.safe_dump({"vllm_fleet_engine_args": short}))
+    try:
+        with HealthProbe() as probe, ClientLoop() as clients:
+            run = deploy(
+                tmp_path, hub, inventory, tags="service",
+                vllm_service_env={FAULT_ENV: "max-fail"},
+            )  # fmt: skip
+    finally:
+        (host_vars / f"{FIRST}.yml").unlink()
+    summary = probe.summary()
+    MEASURED["max_fail_stop"] = {"wall_s": round(run.wall_s, 1), "clients": clients.summary()}
+    assert run.rc != 0
+    # One batch ran, FIRST's; the other node never entered the rolling play.
+    assert (run.batches(ROLLING_PLAY), run.play_hosts(ROLLING_PLAY)) == (1, {FIRST})
+    _fails_intact(
+        run,
+        FIRST,
+        before[FIRST],
+        "Status code was 400",
+        f"automatic rollback: release {before[FIRST]['current']} was restored and serves again",
+    )
+    assert snapshot(other) == before[other]
+    assert unit_state(other)["MainPID"] == pids[other]
+    assert FAULT_ENV not in node_sh(other, "cat", UNIT_PATH)
+    assert summary["down_samples"][other] == 0, summary
+    assert clients.summary()["sent"] > 0 and clients.summary()["failed"] == 0, clients.summary()
+    assert router_workers() == {worker_url(other): True}
+
+
+def test_a_node_lost_mid_roll_stops_the_roll_and_the_next_run_records_it(
+    deployed: Run, hub: HubServer, inventory: Path, tmp_path: Path
+) -> None:
+    """The other node loses power while its new engine loads (the second batch): the
+    run fails naming it unreachable; FIRST serves the new release, recorded, in the
+    routers, and no client saw a failure. Booted again, the node's systemd starts the
+    unit the run wrote; the next run finds that no release records it, records it
+    without a restart and puts the node back into the routers."""
+    (other,) = [node for node in NODES if node != FIRST]
+    before = {node: snapshot(node) for node in NODES}
+    change = {"vllm_service_env": {FAULT_ENV: "node-lost"}}
+    with KillOnRestart(watched=other, victim=other) as killer, ClientLoop() as clients:
+        run = deploy(tmp_path, hub, inventory, tags="service", **change)
+    assert killer.killed.is_set(), f"{other} never restarted: {run.failed_msgs()}"
+    MEASURED["node_lost"] = {"wall_s": round(run.wall_s, 1), "clients": clients.summary()}
+    assert run.rc != 0
+    unreachable = {
+        e["event_data"]["host"] for e in run.events if e["event"] == "runner_on_unreachable"
+    }
+    assert unreachable == {other}, run.failed_msgs()
+    assert run.batch_hosts(ROLLING_PLAY) == [{FIRST}, {other}]
+    assert snapshot(FIRST)["current"] != before[FIRST]["current"]
+    assert released_unit_is_live(FIRST)
+    assert f"{FAULT_ENV}=node-lost" in node_sh(FIRST, "cat", UNIT_PATH)
+    serving(FIRST)
+    assert router_workers() == {worker_url(FIRST): True}
+    assert clients.summary()["sent"] > 0 and clients.summary()["failed"] == 0, clients.summary()
+
+    fleet_mod.start_node(other)
+    wait_until(lambda: healthy(other), 600, f"{other} serving after its boot")
+    assert f"{FAULT_ENV}=node-lost" in node_sh(other, "cat", UNIT_PATH)
+    assert snapshot(other)["current"] == before[other]["current"]
+    assert not released_unit_is_live(other)
+    pid = unit_state(other)["MainPID"]
+    rerun = deploy(tmp_path, hub, inventory, tags="service", **change)
+    assert rerun.rc == 0, rerun.failed_msgs() or rerun.stdout[-3000:]
+    assert rerun.play_hosts(ROLLING_PLAY) == {other}
+    after = snapshot(other)
+    assert after["current"] != before[other]["current"]
+    assert f"previous={before[other]['current']}\n" in after["releases"]
+    assert released_unit_is_live(other)
+    assert unit_state(other)["MainPID"] == pid
+    assert router_workers() == {worker_url(node): True for node in NODES}
+
+
+def test_the_router_host_lost_mid_roll_leaves_nothing_half_done(
+    deployed: Run, hub: HubServer, inventory: Path, tmp_path: Path
+) -> None:
+    """FIRST, which also runs the fleet endpoint (group routers), loses power while the
+    other node's new engine loads: that node still serves its new release and records
+    it, and the run fails naming FIRST unreachable (the router it would rejoin). FIRST
+    booted again serves its recorded release and its endpoint the workers it knew;
+    the next run restarts nothing and makes the routers' workers the inventory's."""
+    (other,) = [node for node in NODES if node != FIRST]
+    before = {node: snapshot(node) for node in NODES}
+    change = {"vllm_service_env": {FAULT_ENV: "router-lost"}}
+    with KillOnRestart(watched=other, victim=FIRST) as killer:
+        run = deploy(tmp_path, hub, inventory, tags="service", **change)
+    assert killer.killed.is_set(), f"{other} never restarted: {run.failed_msgs()}"
+    MEASURED["router_host_lost_s"] = round(run.wall_s, 1)
+    assert run.rc != 0
+    # The router it would rejoin is gone: the delegated task finds FIRST's container down.
+    lost = [
+        str(e["event_data"].get("res", {}).get("msg", ""))
+        for e in run.events
+        if e["event"] == "runner_on_unreachable"
+    ]
+    assert any(f"container {FIRST} is not running" in msg for msg in lost), lost
+    # The other node serves the new release, recorded before it would rejoin the router.
+    serving(other)
+    assert f"{FAULT_ENV}=router-lost" in node_sh(other, "cat", UNIT_PATH)
+    assert snapshot(other)["current"] != before[other]["current"]
+    assert released_unit_is_live(other)
+
+    fleet_mod.start_node(FIRST)
+    wait_until(lambda: healthy(FIRST), 600, f"{FIRST} serving after its boot")
+    assert released_unit_is_live(FIRST)
+    wait_until(endpoint_completes, 300, "the fleet endpoint back")
+    pids = {node: unit_state(node)["MainPID"] for node in NODES}
+    rerun = deploy(tmp_path, hub, inventory, tags="service", **change)
+    assert rerun.rc == 0, rerun.failed_msgs() or rerun.stdout[-3000:]
+    assert rerun.play_hosts(ROLLING_PLAY) == set()
+    assert {node: unit_state(node)["MainPID"] for node in NODES} == pids
+    assert router_workers() == {worker_url(node): True for node in NODES}
+    assert complete_via_router() == 200
+
+
 def restarts(node: str) -> int:
     return int(unit_state(node)["NRestarts"])
 
@@ -1733,12 +1942,16 @@ def test_rollback_returns_a_replica_whole_and_refuses_to_split_one(
     replica, leader, follower = replica_inventory(inventory, tmp_path / "inventory")
     assert launched(follower)[:2] == [LAUNCHER, "follower"], "needs the replica test above"
 
+    since = {node: node_now(node) for node in (leader, follower)}
     apart = play(tmp_path, hub, replica, "rollback.yml", rollback_confirm="yes")
     assert apart.rc == 0, apart.failed_msgs() or apart.stdout[-3000:]
     assert (apart.play_hosts(ROLLBACK_PLAY), apart.batches(ROLLBACK_PLAY)) == (
         {leader, follower},
         1,
     )
+    # The journals' order: both had stopped before either started.
+    last_stop, first_start = last_stop_and_first_start((leader, follower), min(since.values()))
+    assert last_stop < first_start, (last_stop, first_start)
     for node in (leader, follower):
         argv = launched(node)
         assert argv[0].endswith("/bin/vllm") and argv[1] == "serve", (node, argv)
@@ -1766,6 +1979,8 @@ def test_rollback_returns_a_replica_whole_and_refuses_to_split_one(
     together = play(tmp_path, hub, replica, "rollback.yml", rollback_confirm="yes")
     assert together.rc == 0, together.failed_msgs() or together.stdout[-3000:]
     assert together.batches(ROLLBACK_PLAY) == 1
+    last_stop, first_start = last_stop_and_first_start((leader, follower), since)
+    assert last_stop < first_start, (last_stop, first_start)
     assert launched(follower)[:2] == [LAUNCHER, "follower"]
     serving(leader)
     assert "TP rank 1" in journal(follower, since)
@@ -1847,6 +2062,7 @@ def test_a_replica_node_that_fails_returns_the_replica_whole(
         }
     (replica / "hosts.yml").write_text(yaml.safe_dump(hosts, sort_keys=False))
 
+    since = node_now(leader)
     failed = deploy(tmp_path, hub, replica)
     assert failed.rc != 0
     reasons = {
@@ -1876,6 +2092,9 @@ def test_a_replica_node_that_fails_returns_the_replica_whole(
         and e["event_data"]["res"].get("changed")
     }
     assert stopped == {leader, follower}, stopped
+    # The journals' order: the rollback's stops all came before its starts.
+    last_stop, first_start = last_stop_and_first_start((leader, follower), since)
+    assert last_stop < first_start, (last_stop, first_start)
     assert launched(follower)[:2] == [LAUNCHER, "follower"]
     serving(leader)
     MEASURED["replica_failure_rollback_s"] = round(failed.wall_s, 1)

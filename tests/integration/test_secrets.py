@@ -91,7 +91,7 @@ def no_secret(output: str) -> None:
     assert leaked == [], f"secrets in the output: {leaked}"
 
 
-@pytest.mark.parametrize("entry", ["deploy.yml", "playbooks/service.yml"])
+@pytest.mark.parametrize("entry", ["deploy.yml", "playbooks/serve_alone.yml"])
 @pytest.mark.parametrize("secrets", ["vaulted", "plain"])
 @pytest.mark.parametrize("verbosity", [[], ["-vvv"]])
 def test_bad_role_variable_fails_in_validate_without_secrets(

@@ -378,7 +378,7 @@ def refused_replica(tmp_path: Path, playbook: Path) -> list[dict[str, Any]]:
 
 
 def test_serve_alone_refuses_a_replica_node_without_its_plan(tmp_path: Path) -> None:
-    """playbooks/serve.yml run without preflight (service.yml and deploy.yml plan first):
+    """playbooks/serve.yml run without preflight (serve_alone.yml and deploy.yml plan first):
     a replica's node would start a server of its own; each node is refused by name."""
     failed = refused_replica(tmp_path, ROOT / "playbooks/serve.yml")
     assert sorted((f["host"], f["task"]) for f in failed) == [
@@ -387,7 +387,7 @@ def test_serve_alone_refuses_a_replica_node_without_its_plan(tmp_path: Path) -> 
     ]
     assert failed[0]["res"]["msg"] == (
         f"{failed[0]['host']} is in replica r1 but has no plan (vllm_fleet_plan): serve it "
-        "through deploy.yml or playbooks/service.yml, whose preflight plans each replica. "
+        "through deploy.yml or playbooks/serve_alone.yml, whose preflight plans each replica. "
         "Nothing was changed."
     )
 

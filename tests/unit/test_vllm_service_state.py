@@ -49,3 +49,36 @@ def test_release_current_names_the_link_target(tmp_path: Path) -> None:
     (tmp_path / "current").symlink_to("20261201T000000Z-ab")
     assert state.release_current(str(tmp_path)) == "20261201T000000Z-ab"
     assert state.release_current(None) == ""
+
+
+def test_release_unit_sha256_reads_what_vllm_release_recorded(tmp_path: Path) -> None:
+    """The digest comes from the record vllm_release itself writes (not a hand-made
+    one), so a change of its format shows here; a live unit other than the recorded
+    one is what the differences call an unrecorded unit."""
+    release = load_module("vllm_release", "roles/vllm_release/library")
+    unit, env = tmp_path / "vllm.service", tmp_path / "vllm.env"
+    unit.write_bytes(b"[Service]\nExecStart=/bin/true\n")
+    env.write_bytes(b"VLLM_API_KEY=sk-x\n")
+    root = tmp_path / "releases"
+    assert state.release_unit_sha256(str(root)) == ""
+    params = {
+        "path": str(root),
+        "metadata": {},
+        "keep": 5,
+        "files": {"unit": str(unit), "env": str(env)},
+        "redact": ["env"],
+        "secrets": {"VLLM_API_KEY": "sk-x"},
+        "info": {},
+    }
+    release.record(params, check_mode=False)
+    recorded = state.release_unit_sha256(str(root))
+    assert recorded == state.file_sha256(str(unit))
+    # The node then runs another unit (a run that died before its record).
+    unit.write_bytes(b"[Service]\nExecStart=/bin/false\n")
+    assert state.file_sha256(str(unit)) != recorded
+    assert state.release_unit_sha256(str(root)) == recorded
+    # An unreadable record reads as none.
+    (root / "current" / "release.json").chmod(0o644)
+    (root / "current" / "release.json").write_text("{not json")
+    assert state.release_unit_sha256(str(root)) == ""
+    assert state.release_unit_sha256(None) == ""

@@ -158,6 +158,14 @@ release_current:
   description: Id of the node's current release; empty when none is recorded.
   returned: always
   type: str
+release_unit_sha256:
+  description:
+    - SHA-256 of the unit file the current release recorded (its C(release.json)); empty when
+      none is recorded or the record cannot be read.
+    - Another digest than RV(unit_sha256) means the node runs a unit no release records (a run
+      that died between the restart and the record).
+  returned: always
+  type: str
 http_status:
   description: Status of one C(GET /health); 0 when nothing answered.
   returned: always
@@ -170,6 +178,7 @@ serving:
 
 import glob
 import hashlib
+import json
 import os
 import pwd
 import re
@@ -233,6 +242,19 @@ def release_current(release_dir: str | None) -> str:
     return os.path.basename(os.readlink(link)) if os.path.islink(link) else ""
 
 
+def release_unit_sha256(release_dir: str | None) -> str:
+    """The unit's digest in the current release's record; empty when there is none."""
+    if not release_dir:
+        return ""
+    try:
+        with open(os.path.join(release_dir, "current", "release.json"), encoding="utf-8") as handle:
+            record = json.load(handle)
+    except (OSError, ValueError):
+        return ""
+    unit = record.get("files", {}).get("unit") if isinstance(record, dict) else None
+    return str(unit.get("sha256", "")) if isinstance(unit, dict) else ""
+
+
 def gather(params: dict) -> dict:
     unit = params["unit"] if params["unit"].endswith(".service") else f"{params['unit']}.service"
     props = unit_props(unit, _PROPS)
@@ -262,6 +284,7 @@ def gather(params: dict) -> dict:
         "nofile_hard": limit,
         "user_exists": user_exists(params["user"]),
         "release_current": release_current(params["release_dir"]),
+        "release_unit_sha256": release_unit_sha256(params["release_dir"]),
         "http_status": status,
         "serving": active and status == 200,
     }
