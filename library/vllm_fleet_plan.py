@@ -122,8 +122,8 @@ options:
     description:
       - The leader's API port (its C(vllm_fleet_port)), passed through to RV(plan.replica);
         followers wait on the leader's C(/health) there.
+      - Omitted, O(service_port) (a leader's own port).
     type: int
-    default: 8000
   replica_executor:
     description:
       - How a replica of several nodes runs its engine across them, passed through to
@@ -192,9 +192,12 @@ options:
         default (on when P2P is disabled).
     type: raw
   service_port:
-    description: The port vLLM will listen on; must be free or held by I(service_unit).
+    description:
+      - The port vLLM will listen on; must be free or held by I(service_unit).
+      - Required, with no default of its own, so that the fleet's port (role vllm_fleet's
+        C(vllm_fleet_port)) is defined in one place.
     type: int
-    default: 8000
+    required: true
   service_unit:
     description: Our systemd unit; a port it holds counts as free (a rerun).
     type: str
@@ -586,7 +589,7 @@ def replica_plan(module: AnsibleModule, checks: dict) -> tuple[dict, list[str]]:
         # Where followers tell the leader they live (files/vllm_replica.py in vllm_service).
         "watch_port": port + 1,
         "leader_host": p["replica_leader_host"],
-        "api_port": p["replica_api_port"],
+        "api_port": p["replica_api_port"] or p["service_port"],
         "executor": p["replica_executor"],
     }
     here = {"host_ip": host_ip, "ifname": ifname, "env": env}
@@ -813,7 +816,7 @@ def main() -> None:
             "replica_leader": {"type": "str", "default": ""},
             "replica_port": {"type": "int", "default": 29501},
             "replica_leader_host": {"type": "str", "default": ""},
-            "replica_api_port": {"type": "int", "default": 8000},
+            "replica_api_port": {"type": "int"},
             "replica_executor": {"type": "str", "choices": ["mp", "ray"], "default": "mp"},
             "storage_root": {"type": "path", "required": True},
             "storage_must_be_mount": {"type": "bool", "default": True},
@@ -826,7 +829,7 @@ def main() -> None:
             "declared_kv_layout": {"type": "dict", "default": {}},
             "nccl_p2p_disable": {"type": "raw", "default": None},
             "disable_custom_all_reduce": {"type": "raw", "default": None},
-            "service_port": {"type": "int", "default": 8000},
+            "service_port": {"type": "int", "required": True},
             "service_unit": {"type": "str", "default": ""},
             "host": {"type": "str", "default": ""},
             "group": {"type": "str", "default": "fleet"},
