@@ -1678,7 +1678,7 @@ class KillOnRestart(threading.Thread):
         self.stop, self.killed = threading.Event(), threading.Event()
 
     def run(self) -> None:
-        while not self.stop.wait(0.5):
+        while not self.stop.wait(1):
             try:
                 pid = unit_state(self.watched)["MainPID"]
             except (fleet_mod.FleetError, subprocess.CalledProcessError):
