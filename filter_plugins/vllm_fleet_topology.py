@@ -331,14 +331,22 @@ def _rollout_units(hosts: Sequence[str], hostvars: Mapping[str, Any]) -> list[li
 
 
 def _rollout(groups: Mapping[str, Sequence[str]], hostvars: Mapping[str, Any]) -> tuple:
-    idle = _rollout_units(groups.get("vllm_fleet_rollout_idle", []), hostvars)
-    live = _rollout_units(groups.get("vllm_fleet_rollout_live", []), hostvars)
+    # The rolling groups fill in the order the nodes answered the compare play;
+    # the batches follow the inventory's order instead, the same every run.
+    place = {host: index for index, host in enumerate(groups.get("all", []))}
+
+    def in_order(name: str) -> list[str]:
+        return sorted(groups.get(name, []), key=lambda host: place.get(host, len(place)))
+
+    idle = _rollout_units(in_order("vllm_fleet_rollout_idle"), hostvars)
+    live = _rollout_units(in_order("vllm_fleet_rollout_live"), hostvars)
     return idle, live
 
 
 def rollout_hosts(groups: Mapping[str, Sequence[str]], hostvars: Mapping[str, Any]) -> list[str]:
     """The serve play's hosts: the nodes that do not serve, then those that do, each
-    replica's nodes side by side (serial batches never split one)."""
+    in the inventory's order, each replica's nodes side by side (serial batches never
+    split one)."""
     idle, live = _rollout(groups, hostvars)
     return [host for unit in idle + live for host in unit]
 

@@ -299,3 +299,14 @@ def test_a_replica_that_would_not_return_whole_is_refused_naming_each_node() -> 
         "(rank 0 of replica r1: 3 nodes led by a), b: release B1 (rank 1 of replica r1: 3 "
         "nodes led by a))"
     ]
+
+
+def test_the_batches_follow_the_inventory_order_not_the_answer_order() -> None:
+    """The rolling groups fill as the nodes answer the compare play: the batches
+    still take the nodes in the inventory's order, run after run."""
+    hostvars = _rollout_hostvars()
+    answered = {"all": ["a", "b1", "b2", "c", "d"], "vllm_fleet_rollout_live": ["d", "c", "a"]}
+    assert topology.rollout_hosts(answered, hostvars) == ["a", "c", "d"]
+    answered["vllm_fleet_rollout_idle"] = ["b2", "b1"]
+    assert topology.rollout_hosts(answered, hostvars) == ["b1", "b2", "a", "c", "d"]
+    assert topology.rollout_serial(answered, hostvars, 1) == [2, 1]
