@@ -260,6 +260,7 @@ plan:
     nccl_env:
       description: NCCL environment for the service (NCCL_P2P_LEVEL from the measured topology).
       type: dict
+    nccl_reason: {description: Why that NCCL environment (topology, matrix profile), type: str}
     disable_custom_all_reduce: {description: Pass --disable-custom-all-reduce to vLLM, type: bool}
     tensor_parallel_size: {description: Tensor parallel size, type: int}
     pipeline_parallel_size: {description: Pipeline parallel size, type: int}

