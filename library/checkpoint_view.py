@@ -197,6 +197,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.hf_manifest import DownloadError
+from ansible.module_utils.hf_manifest import own_dir as manifest_own_dir
 from ansible.module_utils.hf_quant import VIEW_MARKER, git_blob_sha1, sha256_bytes
 
 REFS_DIR = ".refs"
@@ -211,21 +213,12 @@ class ViewError(Exception):
 
 
 def own_dir(path: str, make: bool = True) -> str:
-    """``path`` as a real directory (made when absent, if ``make``); a symlink is refused."""
+    """``path`` as a real directory (hf_manifest's rule: made when absent, if ``make``;
+    a symlink or file there refused, naming it), its refusal as a ViewError."""
     try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        if not make:
-            return path
-        os.makedirs(path, mode=0o755, exist_ok=True)
-        st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode):
-        what = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a directory"
-        raise ViewError(
-            f"{path}: {what} where the toolkit keeps a directory of its own (it did not "
-            "make it, and it was not followed); remove it and rerun"
-        )
-    return path
+        return manifest_own_dir(path, make)
+    except DownloadError as err:
+        raise ViewError(str(err)) from None
 
 
 # --- lock ---------------------------------------------------------------------
