@@ -15,6 +15,7 @@ Needs `make hosts wheelhouse tiny-model` (INTEGRATION_DEPS). Measurements
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import http.client as http_client
 import http.server as http_server
@@ -1842,6 +1843,64 @@ def test_the_router_host_lost_mid_roll_leaves_nothing_half_done(
     assert {node: unit_state(node)["MainPID"] for node in NODES} == pids
     assert router_workers() == {worker_url(node): True for node in NODES}
     assert complete_via_router() == 200
+
+
+def stream_completion(node: str, max_tokens: int, started: threading.Event) -> dict[str, Any]:
+    """Stream one completion from a node; what it ended with (finish reason, usage, error)."""
+    body = {
+        "model": SERVED, "prompt": "hi", "max_tokens": max_tokens, "ignore_eos": True,
+        "stream": True, "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{NODES[node]['vllm_fleet_port']}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"},
+    )
+    ended: dict[str, Any] = {}
+    try:
+        with urllib.request.urlopen(request, timeout=600) as resp:
+            for raw in resp:
+                line = raw.decode().strip()
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line.removeprefix("data: "))
+                started.set()
+                ended["usage"] = chunk.get("usage") or ended.get("usage")
+                reasons = [c.get("finish_reason") for c in chunk.get("choices") or []]
+                ended["finish_reason"] = next(filter(None, reasons), ended.get("finish_reason"))
+    except (OSError, ValueError) as exc:
+        ended["error"] = repr(exc)
+    started.set()
+    return ended
+
+
+def test_a_restart_lets_the_requests_in_flight_finish(deployed: Run) -> None:
+    """Issue 35: `systemctl restart` while completions stream from FIRST: vLLM drains
+    them (--shutdown-timeout, the fleet's vllm_fleet_drain_s; SIGTERM to its API server
+    alone) before it stops, and each client gets every token it asked for."""
+    since, pid = node_now(FIRST), unit_state(FIRST)["MainPID"]
+    started = [threading.Event() for _ in range(3)]
+    with concurrent.futures.ThreadPoolExecutor(len(started)) as pool:
+        streams = [pool.submit(stream_completion, FIRST, 400, event) for event in started]
+        assert all(event.wait(120) for event in started)
+        begun = time.monotonic()
+        node_sh(FIRST, "systemctl", "restart", UNIT)
+        restart_s = time.monotonic() - begun
+        ended = [stream.result(timeout=600) for stream in streams]
+    print(f"\nrestart with requests in flight: {ended}; restart took {restart_s:.1f} s")
+    assert [e.get("finish_reason") for e in ended] == ["length"] * 3, ended
+    assert [e["usage"]["completion_tokens"] for e in ended] == [400] * 3, ended
+    # The stop found them running and waited: vLLM's own lines say so.
+    log = journal(FIRST, since)
+    assert "stopping engine client mode=drain timeout=120s" in log, log[-3000:]
+    assert re.search(r"draining in-flight requests count=[1-9]", log), log[-3000:]
+    assert unit_state(FIRST)["MainPID"] != pid
+    wait_until(lambda: healthy(FIRST), 600, f"{FIRST} serving after its restart")
+    MEASURED["restart_in_flight"] = {
+        "requests": ended, "restart_s": round(restart_s, 1),
+        "healthy_after_s": round(time.monotonic() - begun, 1),
+    }  # fmt: skip
+    serving(FIRST)
 
 
 def restarts(node: str) -> int:

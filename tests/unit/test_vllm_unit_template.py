@@ -426,3 +426,33 @@ def test_the_server_binds_the_fleet_address_and_asks_the_key_everywhere(
         vllm_fleet_venv=str(venv),
     )
     assert "--middleware" not in directive(follower, "ExecStart")[0] and guard not in follower
+
+
+@pytest.mark.parametrize(
+    ("version", "drain", "argument", "stop"),
+    [
+        # vLLM 0.18.0 and later drain on SIGTERM: one number for the drain and the stop.
+        ("0.34.0", 120, "--shutdown-timeout 120", "150"),
+        ("0.18.0", 45, "--shutdown-timeout 45", "75"),
+        # Older ones have no such option (it would fail the start): no argument.
+        ("0.17.1", 120, None, "150"),
+        # 0: a stop aborts the requests, as vLLM's default does.
+        ("0.34.0", 0, None, "30"),
+    ],
+)
+def test_a_stop_drains_the_requests_in_flight_where_vllm_can(
+    loader: DataLoader, venv: Path, version: str, drain: int, argument: str | None, stop: str
+) -> None:
+    """Issue 35: --shutdown-timeout is the fleet's vllm_fleet_drain_s, TimeoutStopSec that
+    plus the margin, and SIGTERM goes to vLLM's API server alone (KillMode=mixed)."""
+    unit = render(
+        loader, "vllm.service.j2", vllm_fleet_venv=str(venv),
+        vllm_fleet_vllm_version=version, vllm_fleet_drain_s=drain,
+    )  # fmt: skip
+    (argv,) = directive(unit, "ExecStart")
+    if argument:
+        assert f" {argument}" in argv
+    else:
+        assert "--shutdown-timeout" not in argv
+    assert directive(unit, "TimeoutStopSec") == [stop]
+    assert directive(unit, "KillMode") == ["mixed"]
