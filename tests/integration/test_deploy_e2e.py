@@ -15,7 +15,6 @@ Needs `make hosts wheelhouse tiny-model` (INTEGRATION_DEPS). Measurements
 
 from __future__ import annotations
 
-import concurrent.futures
 import hashlib
 import http.client as http_client
 import http.server as http_server
@@ -1845,8 +1844,9 @@ def test_the_router_host_lost_mid_roll_leaves_nothing_half_done(
     assert complete_via_router() == 200
 
 
-def stream_completion(node: str, max_tokens: int, started: threading.Event) -> dict[str, Any]:
-    """Stream one completion from a node; what it ended with (finish reason, usage, error)."""
+def stream_completion(node: str, max_tokens: int) -> dict[str, Any]:
+    """Stream one completion from a node: when its first and last chunks came
+    (monotonic), its finish reason and usage, or the error that ended it."""
     body = {
         "model": SERVED, "prompt": "hi", "max_tokens": max_tokens, "ignore_eos": True,
         "stream": True, "stream_options": {"include_usage": True},
@@ -1856,7 +1856,7 @@ def stream_completion(node: str, max_tokens: int, started: threading.Event) -> d
         data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"},
     )
-    ended: dict[str, Any] = {}
+    ended: dict[str, Any] = {"first": None}
     try:
         with urllib.request.urlopen(request, timeout=600) as resp:
             for raw in resp:
@@ -1864,42 +1864,68 @@ def stream_completion(node: str, max_tokens: int, started: threading.Event) -> d
                 if not line.startswith("data: {"):
                     continue
                 chunk = json.loads(line.removeprefix("data: "))
-                started.set()
+                ended["first"] = ended["first"] or time.monotonic()
                 ended["usage"] = chunk.get("usage") or ended.get("usage")
                 reasons = [c.get("finish_reason") for c in chunk.get("choices") or []]
                 ended["finish_reason"] = next(filter(None, reasons), ended.get("finish_reason"))
     except (OSError, ValueError) as exc:
         ended["error"] = repr(exc)
-    started.set()
+    ended["last"] = time.monotonic()
     return ended
 
 
+def keep_streaming(node: str, until: threading.Event, ended: list[dict[str, Any]]) -> None:
+    """One client: a completion after another, until told or until the node refuses one."""
+    while not until.is_set():
+        ended.append(stream_completion(node, 500))
+        if ended[-1]["first"] is None:
+            return
+
+
 def test_a_restart_lets_the_requests_in_flight_finish(deployed: Run) -> None:
-    """Issue 35: `systemctl restart` while completions stream from FIRST: vLLM drains
-    them (--shutdown-timeout, the fleet's vllm_fleet_drain_s; SIGTERM to its API server
-    alone) before it stops, and each client gets every token it asked for."""
+    """Issue 35: `systemctl restart` while four clients stream completions from FIRST
+    back to back: vLLM drains the ones in flight (--shutdown-timeout, the fleet's
+    vllm_fleet_drain_s; SIGTERM to its API server alone) before it stops, so every
+    completion it accepted ends with all its tokens. Completions asked after the
+    stop began are refused, as they should be (the rolling path takes a node out
+    of the routers before this)."""
     since, pid = node_now(FIRST), unit_state(FIRST)["MainPID"]
-    started = [threading.Event() for _ in range(3)]
-    with concurrent.futures.ThreadPoolExecutor(len(started)) as pool:
-        streams = [pool.submit(stream_completion, FIRST, 400, event) for event in started]
-        assert all(event.wait(120) for event in started)
-        begun = time.monotonic()
-        node_sh(FIRST, "systemctl", "restart", UNIT)
-        restart_s = time.monotonic() - begun
-        ended = [stream.result(timeout=600) for stream in streams]
-    print(f"\nrestart with requests in flight: {ended}; restart took {restart_s:.1f} s")
-    assert [e.get("finish_reason") for e in ended] == ["length"] * 3, ended
-    assert [e["usage"]["completion_tokens"] for e in ended] == [400] * 3, ended
-    # The stop found them running and waited: vLLM's own lines say so.
+    until, ended = threading.Event(), []
+    clients = [
+        threading.Thread(target=keep_streaming, args=(FIRST, until, ended), daemon=True)
+        for _ in range(4)
+    ]
+    for client in clients:
+        client.start()
+    wait_until(lambda: len(ended) >= 8, 120, "eight completions before the restart")
+    begun = time.monotonic()
+    node_sh(FIRST, "systemctl", "restart", UNIT)
+    restart_s = time.monotonic() - begun
+    until.set()
+    for client in clients:
+        client.join(600)
+    accepted = [e for e in ended if e["first"] is not None]
+    cut = [
+        e
+        for e in accepted
+        if (e.get("finish_reason"), (e.get("usage") or {}).get("completion_tokens"))
+        != ("length", 500)
+    ]
+    assert cut == [], cut
+    # The stop found completions running and waited for them: vLLM's own lines.
     log = journal(FIRST, since)
     assert "stopping engine client mode=drain timeout=120s" in log, log[-3000:]
-    assert re.search(r"draining in-flight requests count=[1-9]", log), log[-3000:]
+    drained = re.findall(r"draining in-flight requests count=([0-9]+)", log)
+    assert drained and int(drained[0]) >= 1, log[-3000:]
     assert unit_state(FIRST)["MainPID"] != pid
     wait_until(lambda: healthy(FIRST), 600, f"{FIRST} serving after its restart")
     MEASURED["restart_in_flight"] = {
-        "requests": ended, "restart_s": round(restart_s, 1),
-        "healthy_after_s": round(time.monotonic() - begun, 1),
+        "completions": len(accepted), "in_flight_at_stop": int(drained[0]),
+        "across_the_stop": sum(e["first"] < begun < e["last"] for e in accepted),
+        "refused_after": len(ended) - len(accepted), "cut": len(cut),
+        "restart_s": round(restart_s, 1), "healthy_after_s": round(time.monotonic() - begun, 1),
     }  # fmt: skip
+    print(f"\nrestart with completions in flight: {MEASURED['restart_in_flight']}")
     serving(FIRST)
 
 
