@@ -28,6 +28,7 @@ DEFAULTS = yaml.safe_load((ROOT / "roles/monitoring/defaults/main.yml").read_tex
 ALERTS = {
     "VllmEngineDown",
     "VllmEngineRestarted",
+    "VllmEngineStalled",
     "VllmKvCacheHigh",
     "VllmRequestsWaiting",
     "VllmErrorRate",
@@ -121,6 +122,9 @@ def test_rules_reference_the_scraped_metrics() -> None:
         "process_start_time_seconds",
         "vllm:kv_cache_usage_perc",
         "vllm:num_requests_waiting",
+        "vllm:num_requests_running",
+        "vllm:generation_tokens_total",
+        "vllm:prompt_tokens_total",
         "http_requests_total",
     }
 
