@@ -444,7 +444,8 @@ def test_a_stop_drains_the_requests_in_flight_where_vllm_can(
     loader: DataLoader, venv: Path, version: str, drain: int, argument: str | None, stop: str
 ) -> None:
     """Issue 35: --shutdown-timeout is the fleet's vllm_fleet_drain_s, TimeoutStopSec that
-    plus the margin, and SIGTERM goes to vLLM's API server alone (KillMode=mixed)."""
+    plus the margin, and a stop sends SIGTERM to vLLM's API server alone and waits for it
+    (ExecStop) before systemd signals what is left of the unit (KillMode's default)."""
     unit = render(
         loader, "vllm.service.j2", vllm_fleet_venv=str(venv),
         vllm_fleet_vllm_version=version, vllm_fleet_drain_s=drain,
@@ -455,4 +456,7 @@ def test_a_stop_drains_the_requests_in_flight_where_vllm_can(
     else:
         assert "--shutdown-timeout" not in argv
     assert directive(unit, "TimeoutStopSec") == [stop]
-    assert directive(unit, "KillMode") == ["mixed"]
+    assert directive(unit, "KillMode") == []
+    (stop_command,) = directive(unit, "ExecStop")
+    assert stop_command.startswith("/bin/sh -c 'kill -TERM \"$$MAINPID\"")
+    assert 'while kill -0 "$$MAINPID"' in stop_command
