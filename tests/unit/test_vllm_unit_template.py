@@ -458,5 +458,5 @@ def test_a_stop_drains_the_requests_in_flight_where_vllm_can(
     assert directive(unit, "TimeoutStopSec") == [stop]
     assert directive(unit, "KillMode") == []
     (stop_command,) = directive(unit, "ExecStop")
-    assert stop_command.startswith("/bin/sh -c 'kill -TERM \"$$MAINPID\"")
+    assert stop_command.startswith('/bin/sh -c \'kill -TERM "$$MAINPID"')
     assert 'while kill -0 "$$MAINPID"' in stop_command
