@@ -1591,7 +1591,7 @@ def test_rollback_gives_back_the_unit_and_the_environment_file_of_another_key(
     tried = snapshot(FIRST)
     assert tried["current"] != before["current"]
     assert {k for k in RELEASED_FILES if tried[k] != before[k]} == {"unit", "env"}
-    assert f"VLLM_API_KEY={ROTATED_KEY}" in node_sh(FIRST, "cat", ENV_PATH).splitlines()
+    assert f'VLLM_API_KEY="{ROTATED_KEY}"' in node_sh(FIRST, "cat", ENV_PATH).splitlines()
     pid = unit_state(FIRST)["MainPID"]
     run = play(tmp_path, hub, inventory, "rollback.yml", limit=FIRST, rollback_confirm="yes")
     assert run.rc == 0, run.failed_msgs() or run.stdout[-3000:]
