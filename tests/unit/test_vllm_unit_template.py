@@ -72,9 +72,6 @@ def directive(unit: str, key: str) -> list[str]:
 
 def test_kimi_unit_has_plan_args_env_and_restart_policy(loader: DataLoader, venv: Path) -> None:
     plan = {
-        "tensor_parallel_size": 8,
-        "pipeline_parallel_size": 1,
-        "health_timeout_s": 2700,
         "nccl_env": {"NCCL_PROTO": "LL", "NCCL_P2P_LEVEL": "SYS"},
     }
     unit = render(
@@ -113,7 +110,6 @@ def test_kimi_unit_has_plan_args_env_and_restart_policy(loader: DataLoader, venv
 
 def test_p2p_disabled_plan_adds_flag_and_env(loader: DataLoader, venv: Path) -> None:
     plan = {
-        "tensor_parallel_size": 8,
         "nccl_env": {"NCCL_PROTO": "LL", "NCCL_P2P_DISABLE": "1"},
         "disable_custom_all_reduce": True,
     }
@@ -159,7 +155,7 @@ def test_the_hub_token_reaches_the_engine_only_when_it_needs_the_hub(
 def test_a_replicas_watch_secret_is_in_the_env_file_only(loader: DataLoader, venv: Path) -> None:
     secret = {"vllm_fleet_replica_secret": "watch-unit-secret"}
     assert "watch-unit-secret" not in render(loader, "vllm.env.j2", **secret)
-    plan = {"tensor_parallel_size": 8, "replica": replica(1)}
+    plan = {"replica": replica(1)}
     env_file = render(loader, "vllm.env.j2", vllm_fleet_plan=plan, **secret)
     assert 'VLLM_FLEET_REPLICA_KEY="watch-unit-secret"' in env_file
     unit = render(
@@ -282,7 +278,7 @@ def test_a_replica_leader_serves_and_a_follower_runs_headless(
         rank: render(
             loader,
             "vllm.service.j2",
-            vllm_fleet_plan={"tensor_parallel_size": 8, "replica": replica(rank)},
+            vllm_fleet_plan={"replica": replica(rank)},
             vllm_fleet_venv=str(venv),
         )
         for rank in (0, 1)
@@ -339,7 +335,6 @@ def test_a_ray_replica_runs_head_and_worker_in_the_same_sandboxed_unit(
             loader,
             "vllm.service.j2",
             vllm_fleet_plan={
-                "tensor_parallel_size": 8,
                 "replica": {**replica(rank), "executor": executor},
             },
             vllm_fleet_venv=str(venv),
@@ -422,7 +417,7 @@ def test_the_server_binds_the_fleet_address_and_asks_the_key_everywhere(
     follower = render(
         loader,
         "vllm.service.j2",
-        vllm_fleet_plan={"tensor_parallel_size": 8, "replica": replica(1)},
+        vllm_fleet_plan={"replica": replica(1)},
         vllm_fleet_venv=str(venv),
     )
     assert "--middleware" not in directive(follower, "ExecStart")[0] and guard not in follower
