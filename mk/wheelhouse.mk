@@ -15,6 +15,10 @@ WHEELHOUSE_VERSION ?= 0.32.0
 WHEELHOUSE_LINK := $(VLLM_FLEET_CACHE)/wheelhouse/$(WHEELHOUSE_PACKAGE)-$(WHEELHOUSE_VERSION)
 VLLM_HOST_VENV := $(VLLM_FLEET_CACHE)/venvs/$(WHEELHOUSE_PACKAGE)-$(WHEELHOUSE_VERSION)
 TINY_MODEL_LINK := $(VLLM_FLEET_CACHE)/models/tiny-kimi
+# The nodes install the download toolkit's huggingface_hub from this
+# wheelhouse too (model_download_pip_extra_args in the demo): its pinned
+# version, read from the role's one definition, is resolved with vLLM's.
+HF_HUB_VERSION := $(shell sed -n 's/^model_download_hf_hub_version: "\(.*\)"$$/\1/p' roles/model_download/defaults/main.yml)
 
 .PHONY: wheelhouse router-wheelhouse vllm-host-venv tiny-model vllm-probe
 
@@ -22,7 +26,8 @@ TINY_MODEL_LINK := $(VLLM_FLEET_CACHE)/models/tiny-kimi
 # and returns at once when the wheelhouse is complete.
 wheelhouse:
 	$(WHEELHOUSE_PY) tools/wheelhouse/build_wheelhouse.py --cache $(VLLM_FLEET_CACHE) \
-	  --package $(WHEELHOUSE_PACKAGE) --version $(WHEELHOUSE_VERSION) --link $(WHEELHOUSE_LINK)
+	  --package $(WHEELHOUSE_PACKAGE) --version $(WHEELHOUSE_VERSION) --link $(WHEELHOUSE_LINK) \
+	  --pin huggingface_hub==$(HF_HUB_VERSION)
 
 # vllm-router (the fleet endpoint) and its dependencies, for the router host.
 ROUTER_VERSION ?= 0.1.17
@@ -34,7 +39,7 @@ router-wheelhouse:
 vllm-host-venv:
 	$(WHEELHOUSE_PY) tools/wheelhouse/build_wheelhouse.py --cache $(VLLM_FLEET_CACHE) \
 	  --package $(WHEELHOUSE_PACKAGE) --version $(WHEELHOUSE_VERSION) --link $(WHEELHOUSE_LINK) \
-	  --venv $(VLLM_HOST_VENV)
+	  --pin huggingface_hub==$(HF_HUB_VERSION) --venv $(VLLM_HOST_VENV)
 
 tiny-model: venv
 	$(BIN)/python -m tests.support.tiny_model --cache $(VLLM_FLEET_CACHE) --link $(TINY_MODEL_LINK)

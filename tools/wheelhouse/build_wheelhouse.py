@@ -56,6 +56,7 @@ def recipe(args: argparse.Namespace) -> dict[str, object]:
         "python": python_tag(),
         "machine": platform.machine(),
         "excludes": sorted(normalize(x) for x in args.exclude),
+        "pins": sorted(args.pin),
         "script_sha256": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
     }
 
@@ -91,8 +92,9 @@ def run_pip(cmd: list[str]) -> None:
         raise SystemExit(f"build_wheelhouse: {' '.join(cmd[:4])} failed ({proc.returncode})")
 
 
-def download(package: str, version: str, dest: Path) -> None:
-    """Resolve and download every wheel the pinned package needs."""
+def download(package: str, version: str, dest: Path, pins: list[str] | None = None) -> None:
+    """Resolve and download every wheel the pinned package needs, with the
+    further pins resolved beside it (one consistent set)."""
     run_pip(
         [
             sys.executable,
@@ -105,6 +107,7 @@ def download(package: str, version: str, dest: Path) -> None:
             "--dest",
             str(dest),
             f"{package}=={version}",
+            *(pins or []),
         ]
     )
 
@@ -199,7 +202,7 @@ def build_locked(spec: dict[str, object], final: Path) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
         started = time.monotonic()
-        download(str(spec["package"]), str(spec["version"]), staging)
+        download(str(spec["package"]), str(spec["version"]), staging, list(spec["pins"]))  # type: ignore[arg-type]
         removed = prune(staging, list(spec["excludes"]))  # type: ignore[arg-type]
         manifest = write_metadata(staging, spec, removed)
         (staging / ".complete").write_text(f"{time.monotonic() - started:.1f}s\n")
@@ -226,6 +229,13 @@ def main() -> int:
         action="append",
         default=None,
         help="distribution to leave out (repeatable); default: CUDA torchvision/audio/codec",
+    )
+    parser.add_argument(
+        "--pin",
+        action="append",
+        default=[],
+        help="a further requirement resolved with the package (repeatable), e.g. the version "
+        "of a dependency the toolkit installs from this wheelhouse too",
     )
     parser.add_argument("--link", type=Path, help="also point this symlink at the wheelhouse")
     parser.add_argument("--venv", type=Path, help="also install a venv from the wheelhouse here")
