@@ -14,8 +14,11 @@ Progress convention (docs/cli.md): a task result carrying
 bytes_total, rate}``, at the top level (``ansible.builtin.debug: var=...``,
 a module's return) or in ``ansible_facts`` (``set_fact``); retried and
 looped results count too. Failing that, vLLM's and huggingface_hub's own
-progress lines in ``msg``/``stdout`` are parsed. Node facts for the summary
-come the same way under ``vllm_fleet_node``.
+progress lines in ``msg``/``stdout`` are parsed. A polling task's result
+(one that carries ``vllm_fleet_poll``) may name the step its wait has reached
+in ``phase`` (the health probe: ``weights loading 60/119``, ``KV cache
+sizing``); the views show it beside the waiting task. Node facts for the
+summary come the same way under ``vllm_fleet_node``.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ from rich.text import Text
 from vllm_fleet.redact import Redactor
 
 PROGRESS_KEY = "vllm_fleet_progress"
+# A polling task's one-line round (the stdout callback's); beside it, ``phase``.
+POLL_KEY = "vllm_fleet_poll"
 NODE_KEY = "vllm_fleet_node"
 # What a router host reports (playbooks/status.yml): the fleet endpoint.
 ROUTER_KEY = "vllm_fleet_router"
@@ -144,6 +149,8 @@ class HostState:
     )
     progress: dict[str, Progress] = field(default_factory=dict)
     attempt: tuple[int, int] | None = None
+    # The step a polling task's wait has reached (the health probe's phase).
+    phase: str | None = None
     failure: Failure | None = None
     node: dict[str, Any] = field(default_factory=dict)
     router: dict[str, Any] = field(default_factory=dict)
@@ -198,6 +205,7 @@ class FleetModel:
                     name: bar for name, bar in state.progress.items() if (bar.fraction or 0) < 1
                 }
             state.play, state.task, state.attempt = data.get("play"), data.get("task"), None
+            state.phase = None
             # Working again: its elapsed time moves until this task's result.
             state.ended = None
             if state.started is None:
@@ -211,7 +219,11 @@ class FleetModel:
         elif kind == "playbook_on_stats":
             self._stats(data)
         elif kind in ("warning", "deprecated"):
-            text = _clean(data.get("warning") or event.get("stdout") or "")
+            # A warning's event_data may carry a flag rather than the text.
+            warning = data.get("warning")
+            text = _clean(
+                warning if isinstance(warning, str) and warning else event.get("stdout") or ""
+            )
             if text:
                 records.append({"type": "warning", "text": text})
         elif kind in ("verbose", "error") and event.get("stdout"):
@@ -227,13 +239,17 @@ class FleetModel:
         attempt = int(res.get("attempts") or 0)
         retries = int(res.get("retries") or 0)
         state.attempt = (attempt, retries)
-        return {
+        state.phase = poll_phase(res)
+        record = {
             "type": "retry",
             "host": state.name,
             "task": data.get("task"),
             "attempt": attempt,
             "retries": retries,
         }
+        if state.phase:
+            record["phase"] = state.phase
+        return record
 
     def _result(self, kind: str, data: dict[str, Any]) -> dict[str, Any]:
         state = self.host(data.get("host", "?"))
@@ -245,6 +261,7 @@ class FleetModel:
             status = "ignored"
         state.ended = self.clock()
         state.attempt = None
+        state.phase = poll_phase(res)
         node = _find_key(res, NODE_KEY)
         if isinstance(node, dict):
             state.node.update(node)
@@ -264,6 +281,8 @@ class FleetModel:
             "status": status,
             "duration": data.get("duration"),
         }
+        if state.phase:
+            record["phase"] = state.phase
         diff = render_diff(res.get("diff"))
         if diff:
             record["diff"] = diff
@@ -354,6 +373,14 @@ def _find_key(res: dict[str, Any], key: str) -> Any:
     facts = res.get("ansible_facts")
     if isinstance(facts, dict) and key in facts:
         return facts[key]
+    return None
+
+
+def poll_phase(res: dict[str, Any]) -> str | None:
+    """The step a polling task's round reached (``phase`` beside ``vllm_fleet_poll``)."""
+    phase = res.get("phase")
+    if POLL_KEY in res and isinstance(phase, str) and phase.strip():
+        return phase.strip()
     return None
 
 
@@ -631,6 +658,8 @@ class PlainRenderer(Renderer):
             return self._progress(record)
         if kind == "retry":
             attempt = f"attempt {record['attempt']}/{record['retries']}"
+            if record.get("phase"):
+                attempt += f", phase: {record['phase']}"
             return f"waiting     {record['host']}: {record['task']} ({attempt})"
         if kind == "warning":
             return f"warning: {record['text']}"
@@ -729,7 +758,7 @@ class TtyRenderer(PlainRenderer):
         yield self._last_view
 
     def live_view(self) -> RenderableType:
-        """The live block: per host its name, elapsed time, task and waiting attempt, then bars."""
+        """The live block: per host its name, elapsed time, task, attempt and phase, then bars."""
         grid = Table.grid(padding=(0, 2), pad_edge=True)
         grid.add_column(no_wrap=True, style="bold")
         grid.add_column(justify="right", no_wrap=True)
@@ -741,9 +770,10 @@ class TtyRenderer(PlainRenderer):
                 continue
             # Read each field once: the event thread may change it meanwhile.
             task = Text(state.task or "", no_wrap=True, overflow="ellipsis")
-            attempt = state.attempt
+            attempt, phase = state.attempt, state.phase
             if attempt:
-                task.append(f"  (waiting, attempt {attempt[0]}/{attempt[1]})", "cyan")
+                note = f"waiting, attempt {attempt[0]}/{attempt[1]}"
+                task.append(f"  ({note}, phase: {phase})" if phase else f"  ({note})", "cyan")
             grid.add_row(state.name, human_duration(state.duration), task)
             for progress in list(state.progress.values()):
                 grid.add_row("", "", self._progress_row(progress))

@@ -7,8 +7,22 @@ from typing import Any
 from vllm_fleet.progress import FleetModel, HostState, human_bytes, human_duration
 
 # Node facts reported by playbooks/status.yml (and by roles, under
-# vllm_fleet_node), in table order.
-NODE_FIELDS = ("unit", "health", "served_model", "release", "vllm_version", "endpoint", "load")
+# vllm_fleet_node), in table order; load and crash_loop are shown apart.
+NODE_FIELDS = (
+    "unit",
+    "health",
+    "served_model",
+    "release",
+    "vllm_version",
+    "endpoint",
+    "load",
+    "crash_loop",
+)
+# A unit in a crash loop (role status, under "crash_loop"; {} when none):
+# state (restarting, or stopped: systemd gave up), result, restarts,
+# last_exit, and role vllm_service's diagnosis of its journal (diagnosis,
+# advice, lines); the node's health line says it in one line.
+CRASH_LOOP_PREFIX = "crash loop: "
 # A node's load (playbooks/status.yml, under "load"): Prometheus's figures when
 # the fleet has one, else the node's own /metrics; columns of the status table.
 # throughput: generated tokens per second (a key without "token", which the
@@ -233,6 +247,25 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
+def crash_loop_text(hosts: dict[str, dict[str, Any]]) -> list[str]:
+    """A paragraph per node whose unit is in a crash loop: what systemd says, the diagnosis."""
+    lines = []
+    for name, host in hosts.items():
+        loop = host.get("crash_loop")
+        if not isinstance(loop, dict) or not loop:
+            continue
+        health = str(host.get("health") or "")
+        what = health.removeprefix(CRASH_LOOP_PREFIX) or str(loop.get("state") or "crash loop")
+        if loop.get("last_exit"):
+            what += f" (last exit: {loop['last_exit']})"
+        lines.append(f"\nCRASH LOOP {name}: {what}")
+        lines.append(f"  {loop.get('advice') or ''}".rstrip())
+        lines.extend(f"    {line}" for line in loop.get("lines") or [])
+        if loop.get("state") == "stopped":
+            lines.append("  systemd no longer restarts it: fix the cause, then deploy again.")
+    return lines
+
+
 def summary_text(summary: dict[str, Any], with_node: bool) -> str:
     """The human end summary: a row per host, then each failure with its diagnosis."""
     rows = []
@@ -255,6 +288,7 @@ def summary_text(summary: dict[str, Any], with_node: bool) -> str:
         lines += ["", routers_text(summary["routers"])]
     if summary.get("verify"):
         lines.append(verify_text(summary["verify"]))
+    lines.extend(crash_loop_text(summary["hosts"]))
     for failure in summary["failures"]:
         where = failure["task"] + (f" (role {failure['role']})" if failure.get("role") else "")
         kind = "UNREACHABLE" if failure.get("unreachable") else "FAILED"
@@ -325,7 +359,7 @@ def status_text(status: dict[str, Any]) -> str:
     for row in rows:
         if not row.get("reachable", True):
             row["unit"] = "unreachable"
-    fields = [field for field in NODE_FIELDS if field != "load"]
+    fields = [field for field in NODE_FIELDS if field not in ("load", "crash_loop")]
     text = table(rows, ["host", *fields, *LOAD_FIELDS])
     sources = sorted(
         {
@@ -338,6 +372,7 @@ def status_text(status: dict[str, Any]) -> str:
         text += "\n(load from " + " and ".join(LOAD_SOURCES.get(s, s) for s in sources) + ")"
     if status.get("routers"):
         text += "\n\n" + routers_text(status["routers"])
+    text += "".join(f"\n{line}" for line in crash_loop_text(status["hosts"]))
     for failure in status["failures"]:
         text += f"\n{failure['host']}: {failure['task']}: {failure['msg']}"
     if status["errors"]:

@@ -362,6 +362,13 @@ def task_msgs(run: Run, task: str) -> list[str]:
     ]
 
 
+# Writes argv[2] to the path argv[1] on a node (its parent created).
+WRITE_FILE = (
+    "import pathlib, sys; p = pathlib.Path(sys.argv[1]); "
+    "p.parent.mkdir(parents=True, exist_ok=True); p.write_text(sys.argv[2])"
+)
+
+
 def node_sh(node: str, *argv: str) -> str:
     return fleet_mod.exec_in(node, list(argv)).stdout
 
@@ -1933,6 +1940,215 @@ def test_a_restart_lets_the_requests_in_flight_finish(deployed: Run) -> None:
     serving(FIRST)
 
 
+def engine_core(node: str) -> str:
+    """The PID of the node's vLLM engine core process (its process title)."""
+    (pid,) = node_sh(node, "pgrep", "-f", "^VLLM::EngineCore").split()
+    return pid
+
+
+def watchdog_restarts(node: str) -> float:
+    """The watchdog's restarts of the node's vLLM, as its /metrics exports them."""
+    found = re.findall(r"(?m)^vllm_fleet_watchdog_restarts_total ([0-9.e+]+)$", node_metrics(node))
+    assert found, "the key guard exports no vllm_fleet_watchdog_restarts_total"
+    return float(found[0])
+
+
+def test_a_hung_engine_is_found_by_its_watchdog_and_replaced(deployed: Run) -> None:
+    """Issue 35: FIRST's engine core stopped (SIGSTOP) while clients send completions
+    through the router: /health stays green, the requests on FIRST stop producing
+    tokens; the watchdog (the demo's 5 s checks, 4 misses) logs why in the unit's
+    journal, kills the unit, systemd restarts it, the router drops FIRST and takes it
+    back once it serves. Detection, recovery and the clients' failures are measured."""
+    assert deployed.rc == 0, deployed.failed_msgs()
+    url = worker_url(FIRST)
+    wait_until(lambda: router_workers().get(url) is True, 120, f"{FIRST} in the router")
+    since, pid, before = node_now(FIRST), unit_state(FIRST)["MainPID"], restarts(FIRST)
+    counted = watchdog_restarts(FIRST)
+    seen: dict[str, float] = {}
+    with ClientLoop(clients=2, pause_s=0.5) as clients:
+        time.sleep(5)
+        core = engine_core(FIRST)
+        stopped = time.monotonic()
+        node_sh(FIRST, "kill", "-STOP", core)
+        assert healthy(FIRST), "/health should still answer with the engine stopped"
+
+        def back() -> bool:
+            workers = router_workers()
+            if workers.get(url) is False:
+                seen.setdefault("router_out_s", time.monotonic() - stopped)
+            if restarts(FIRST) > before:
+                seen.setdefault("restarted_s", time.monotonic() - stopped)
+            return "restarted_s" in seen and workers.get(url) is True and healthy(FIRST)
+
+        wait_until(back, 600, f"{FIRST} restarted by its watchdog and back in the router")
+        seen["recovered_s"] = time.monotonic() - stopped
+        time.sleep(5)
+    log = journal(FIRST, since)
+    misses = re.findall(r"vllm-fleet watchdog: miss ([0-9]+)/4: (.*)", log)
+    assert [n for n, _ in misses] == ["1", "2", "3", "4"], log[-3000:]
+    # Requests queued on the stopped engine (its last stats said so), or an idle
+    # moment at the stop: then the canary, which the stopped engine never answers.
+    assert all(
+        "no token produced in 5 s" in why or "canary did not complete in 10 s" in why
+        for _, why in misses
+    ), misses
+    assert re.search(rf"vllm-fleet watchdog: {UNIT} \(pid {pid}\) made no progress for 4 checks "
+                     r"\(20 s\): .*restarting it", log), log[-3000:]  # fmt: skip
+    assert unit_state(FIRST)["MainPID"] != pid
+    assert watchdog_restarts(FIRST) == counted + 1
+    MEASURED["watchdog_hung_engine"] = {
+        **{key: round(value, 1) for key, value in seen.items()},
+        "misses": [why for _, why in misses][:1],
+        "clients": clients.summary(),
+    }
+    print(f"\nhung engine: {MEASURED['watchdog_hung_engine']}")
+    serving(FIRST)
+
+
+def test_a_busy_engine_is_not_restarted_by_its_watchdog(deployed: Run) -> None:
+    """Issue 35: eight clients stream long completions from FIRST back to back for
+    three watchdog windows (4 x 5 s each): the engine is busy, every check finds its
+    tokens moving, and the watchdog never counts a miss nor restarts it."""
+    assert deployed.rc == 0, deployed.failed_msgs()
+    since, pid, before = node_now(FIRST), unit_state(FIRST)["MainPID"], restarts(FIRST)
+    until, ended, running = threading.Event(), [], []
+    clients = [
+        threading.Thread(target=keep_streaming, args=(FIRST, until, ended), daemon=True)
+        for _ in range(8)
+    ]
+    for client in clients:
+        client.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        sample = re.findall(
+            r"(?m)^vllm:num_requests_running\{[^}]*\} ([0-9.]+)$", node_metrics(FIRST)
+        )
+        running.append(sum(float(v) for v in sample))
+        time.sleep(2)
+    until.set()
+    for client in clients:
+        client.join(600)
+    log = journal(FIRST, since)
+    assert "vllm-fleet watchdog: miss" not in log, log[-3000:]
+    assert (unit_state(FIRST)["MainPID"], restarts(FIRST)) == (pid, before)
+    assert max(running) >= 4, running  # it was busy
+    MEASURED["watchdog_busy_engine"] = {
+        "completions": len(ended), "running_max": max(running),
+        "running_mean": round(sum(running) / len(running), 1), "restarts": 0,
+    }  # fmt: skip
+
+
+def test_a_load_that_stalls_fails_early_naming_its_phase_and_rolls_back(
+    deployed: Run, hub: HubServer, inventory: Path, tmp_path: Path
+) -> None:
+    """Issue 35: a change restarts FIRST; once its new engine reports loading
+    weights, every process of the unit is stopped (SIGSTOP: what a storage mount
+    that hangs does to a load). The health wait ends with `stalled` after the
+    stall budget (60 s here, against a 600 s timeout), naming the phase; the
+    automatic rollback kills the stopped engine and FIRST serves its last good
+    release again, back in the router."""
+    assert deployed.rc == 0, deployed.failed_msgs()
+    good = node_sh(FIRST, "readlink", f"{RELEASES}/current").strip()
+    argv = launched(FIRST)
+    since, outcome = node_now(FIRST), {}
+    env = {"TORCHDYNAMO_DISABLE": "1", "VLLM_FLEET_E2E_STALL": "1"}
+    rolling = threading.Thread(
+        target=lambda: outcome.update(run=deploy(
+            tmp_path, hub, inventory, tags="service", limit=FIRST,
+            vllm_service_env=env, vllm_fleet_load_stall_s=60,
+        )),
+        daemon=True,
+    )  # fmt: skip
+    rolling.start()
+    loading = re.compile(r"Starting to load model")
+    wait_until(lambda: bool(loading.search(journal(FIRST, since))), 600, "the new load")
+    node_sh(FIRST, "systemctl", "kill", "--signal=SIGSTOP", UNIT)
+    stopped = time.monotonic()
+    rolling.join(900)
+    run = outcome["run"]
+    assert run.rc != 0
+    (probe,) = [
+        e["event_data"]["res"] for e in run.events
+        if e["event"] == "runner_on_ok" and e["event_data"].get("task") == PROBE_TASK
+        and e["event_data"]["res"].get("state") == "stalled"
+    ]  # fmt: skip
+    detected_s = time.monotonic() - stopped  # an upper bound: the rollback ran since
+    # Stopped once it logged the weights' load: that phase or a later one (the
+    # tiny model loads in a second; a second start in one fleet reached "API
+    # server starting"), never serving.
+    assert probe["phase"] not in ("serving", "starting", "engine init"), probe
+    assert re.match(r"the load made no progress \(no journal line, no CPU work\) for 6[0-9] s "
+                    r"\(stall budget vllm_fleet_load_stall_s=60\); last phase: "
+                    + re.escape(probe["phase"]), probe["reason"]), probe["reason"]  # fmt: skip
+    assert probe["elapsed_s"] < 600 - 60, probe  # well before the total timeout
+    msg = run.failed_msgs()
+    assert "automatic rollback: release" in msg and "the load made no progress" in msg, msg
+    assert node_sh(FIRST, "readlink", f"{RELEASES}/current").strip() == good
+    assert launched(FIRST) == argv
+    serving(FIRST)
+    # As after any failed deploy, FIRST stays out of the fleet endpoint until a
+    # deploy succeeds on it: the router play puts it back.
+    assert worker_url(FIRST) not in router_workers()
+    assert "It stays out of the fleet endpoint" in msg, msg
+    back = play(tmp_path, hub, inventory, tags="router", limit="gpu-nodes:routers")
+    assert back.rc == 0, back.failed_msgs()
+    wait_until(lambda: router_workers().get(worker_url(FIRST)) is True, 120, "FIRST back")
+    MEASURED["stalled_load"] = {
+        "phase": probe["phase"], "reason": probe["reason"], "elapsed_s": probe["elapsed_s"],
+        "stop_to_rolled_back_s": round(detected_s, 1), "deploy_s": round(run.wall_s, 1),
+    }  # fmt: skip
+
+
+CRASH_DROPIN = f"/etc/systemd/system/{UNIT}.d/e2e-crash.conf"
+
+
+def test_a_crash_loop_is_reported_with_its_diagnosis_and_kept_out_of_the_router(
+    deployed: Run, hub: HubServer, inventory: Path, tmp_path: Path
+) -> None:
+    """Issue 35: FIRST's vLLM started with an argument it rejects (a drop-in, as a
+    hand edit on the node would do; RestartSec=1 to be quick) exits at every start
+    until systemd's start limit stops it. `vllm-fleet status` names the crash loop,
+    the restarts and vllm_service's diagnosis; the router holds FIRST unhealthy.
+    Removed again, the unit serves and rejoins."""
+    assert deployed.rc == 0, deployed.failed_msgs()
+    url = worker_url(FIRST)
+    (exec_start,) = [
+        line for line in node_sh(FIRST, "cat", UNIT_PATH).splitlines()
+        if line.startswith("ExecStart=")
+    ]  # fmt: skip
+    dropin = f"[Service]\nExecStart=\n{exec_start} --no-such-flag 1\nRestartSec=1\n"
+    node_sh(FIRST, "python3", "-c", WRITE_FILE, CRASH_DROPIN, dropin)
+    try:
+        node_sh(FIRST, "systemctl", "daemon-reload")
+        node_sh(FIRST, "systemctl", "restart", UNIT)
+        # systemd 252 keeps Result=exit-code here: status reads the start limit
+        # from Restart=always and the failed state.
+        wait_until(
+            lambda: unit_state(FIRST)["ActiveState"] == "failed",
+            300,
+            f"{FIRST} stopped by its start limit",
+        )
+        hosts = cli(tmp_path, hub, inventory, "status")[-1]["hosts"]
+        loop = hosts[FIRST]["crash_loop"]
+        assert (loop["state"], loop["result"]) == ("stopped", "start-limit-hit"), loop
+        assert loop["restarts"] >= 4 and loop["diagnosis"] == "unrecognized-argument", loop
+        assert any("--no-such-flag" in line for line in loop["lines"]), loop
+        assert hosts[FIRST]["health"].startswith("crash loop: start limit hit after"), hosts
+        others = [node for node in NODES if node != FIRST]
+        assert all(hosts[n]["crash_loop"] == {} and hosts[n]["health"] == "ok" for n in others)
+        wait_until(
+            lambda: router_workers().get(url) is False, 60, f"{FIRST} unhealthy in the router"
+        )
+        MEASURED["crash_loop_status"] = {"health": hosts[FIRST]["health"], **loop}
+    finally:
+        node_sh(FIRST, "rm", "-f", CRASH_DROPIN)
+        node_sh(FIRST, "systemctl", "daemon-reload")
+        node_sh(FIRST, "systemctl", "reset-failed", UNIT)
+        node_sh(FIRST, "systemctl", "start", UNIT)
+    wait_until(lambda: healthy(FIRST) and router_workers().get(url) is True, 600,
+               f"{FIRST} serving and back in the router")  # fmt: skip
+
+
 def restarts(node: str) -> int:
     return int(unit_state(node)["NRestarts"])
 
@@ -1974,6 +2190,15 @@ def test_one_replica_across_both_nodes_serves_and_restarts_whole(
     assert f":{NODES[follower]['vllm_fleet_port']} " not in node_sh(follower, "ss", "-ltn")
     # The fleet endpoint balances over the replica's leader only.
     assert list(router_workers()) == [worker_url(leader)]
+    # The leader's watchdog proves the replica's progress; the follower has none
+    # (the one it ran alone was removed).
+    watchdog = UNIT.replace(".service", "-watchdog.service")
+    active = {
+        node: fleet_mod.exec_in(node, ["systemctl", "is-active", watchdog], check=False)
+        for node in (leader, follower)
+    }
+    assert active[leader].stdout.strip() == "active", active
+    assert active[follower].stdout.strip() != "active", active
     assert complete_via_router() == 200
     MEASURED["replica_completion"] = {
         "leader": leader,

@@ -29,6 +29,7 @@ ALERTS = {
     "VllmEngineDown",
     "VllmEngineRestarted",
     "VllmEngineStalled",
+    "VllmWatchdogRestarted",
     "VllmKvCacheHigh",
     "VllmRequestsWaiting",
     "VllmErrorRate",
@@ -126,6 +127,8 @@ def test_rules_reference_the_scraped_metrics() -> None:
         "vllm:generation_tokens_total",
         "vllm:prompt_tokens_total",
         "http_requests_total",
+        # The watchdog's, exported by the key guard on vLLM's /metrics.
+        "vllm_fleet_watchdog_last_restart_timestamp_seconds",
     }
 
 

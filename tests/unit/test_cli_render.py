@@ -99,13 +99,24 @@ def deploy_events() -> list[dict]:
             PROBE,
             {
                 "state": "loading",
+                "phase": "weights loading 2/4",
                 "milestone": load,
+                "vllm_fleet_poll": f"loading, 12 s, weights loading 2/4: {load}",
                 "vllm_fleet_progress": {"kind": "load", "done": 2, "total": 4},
                 "attempts": 1,
                 "retries": 62,
             },
         ),
-        ev.ok("node1", PROBE, {"state": "healthy", "attempts": 2}),
+        ev.ok(
+            "node1",
+            PROBE,
+            {
+                "state": "healthy",
+                "phase": "serving",
+                "vllm_fleet_poll": "healthy, 15 s, serving: Application startup complete.",
+                "attempts": 2,
+            },
+        ),
         ev.task("Fail with the diagnosis", role="vllm_service"),
         ev.start("node2", "Fail with the diagnosis"),
         ev.failed("node2", "Fail with the diagnosis", {"msg": SERVICE_DIAGNOSIS_MSG}),
@@ -368,6 +379,48 @@ def test_tty_renderer_redraws_live_block() -> None:
     assert out.getvalue().endswith("\x1b[?25h\r" + "\x1b[1A\x1b[2K" * len(live))
 
 
+def test_the_probe_phase_shows_beside_the_waiting_task() -> None:
+    """The health probe's phase, in every view, while its task waits; gone with the task."""
+    probe_round = deploy_events()[:9]
+    assert probe_round[-1]["event"] == "runner_retry"
+    model = FleetModel()
+    out = io.StringIO()
+    renderer = tty_renderer(model, out)
+    for event in probe_round:
+        for record in model.handle(event):
+            renderer.record(record)
+    live = live_lines(renderer)
+    assert f"{PROBE}  (waiting, attempt 1/62, phase: weights loading 2/4)" in live[0]
+    assert (
+        f"waiting     node1: {PROBE} (attempt 1/62, phase: weights loading 2/4)" in out.getvalue()
+    )
+    renderer.close()
+
+    model = FleetModel()
+    records = feed(model, probe_round)
+    (retry,) = [r for r in records if r["type"] == "retry" and r["task"] == PROBE]
+    assert retry["phase"] == "weights loading 2/4"
+    # The download's rounds name no phase: their waiting line stays as it was.
+    (download,) = [r for r in records if r["type"] == "retry" and r["task"] != PROBE]
+    assert "phase" not in download
+    assert PlainRenderer(model).format(download) == (
+        "waiting     node1: Wait for the download (attempt 2/100)"
+    )
+    # The last round's phase is the result's; the next task has none.
+    (done,) = model.handle(deploy_events()[9])
+    assert done["phase"] == "serving"
+    model.handle(ev.start("node1", "Smoke-test the server"))
+    assert model.hosts["node1"].phase is None
+
+
+def test_a_phase_outside_a_polling_result_is_not_shown() -> None:
+    model = FleetModel()
+    feed(model, [ev.play(), ev.start("node1", "Read pods")])
+    (record,) = model.handle(ev.retry("node1", "Read pods", {"phase": "Running", "attempts": 1}))
+    assert "phase" not in record
+    assert model.hosts["node1"].phase is None
+
+
 def test_tty_renderer_prints_task_text_literally_and_cuts_long_lines() -> None:
     model = FleetModel()
     out = io.StringIO()
@@ -474,6 +527,7 @@ def test_status_table_and_object() -> None:
             "throughput": 57.25,
             "source": "prometheus",
         },
+        "crash_loop": {},
     }
     feed(
         model,
@@ -528,6 +582,114 @@ def test_status_load_from_the_nodes_metrics() -> None:
     assert lines[1].split()[-4:] == ["0", "0", "0.0%", "0.0"]
     assert lines[2].split()[-4:] == ["-", "-", "-", "-"]
     assert lines[3] == "(load from each node's /metrics; tokens/s between two reads)"
+
+
+# A node whose unit hit its start limit, as role status reports it.
+CRASH_LOOP_NODE = {
+    "unit": "failed/failed",
+    "health": "crash loop: start limit hit after 5 restarts: unrecognized-argument",
+    "served_model": "",
+    "release": "r2",
+    "vllm_version": "",
+    "endpoint": "http://127.0.0.1:8002",
+    "load": {},
+    "crash_loop": {
+        "state": "stopped",
+        "result": "start-limit-hit",
+        "restarts": 5,
+        "last_exit": "exit status 2",
+        "diagnosis": "unrecognized-argument",
+        "advice": "vLLM rejected an engine argument: "
+        "fix vllm_fleet_engine_args in the model profile.",
+        "lines": ["api_server.py: error: unrecognized arguments: --no-such-flag 1"],
+    },
+}
+
+
+def test_status_names_a_crash_loop_and_its_diagnosis() -> None:
+    model = FleetModel()
+    serving = {"unit": "active/running", "health": "ok", "crash_loop": {}}
+    feed(
+        model,
+        [
+            ev.ok("node1", "Report the node status", {"vllm_fleet_node": serving}),
+            ev.ok("node2", "Report the node status", {"vllm_fleet_node": CRASH_LOOP_NODE}),
+            ev.stats(ok={"node1": 9, "node2": 14}),
+        ],
+    )
+    status = status_object(model, exit_code=0)
+    assert status["hosts"]["node2"]["crash_loop"] == CRASH_LOOP_NODE["crash_loop"]
+    assert status["hosts"]["node1"]["crash_loop"] == {}
+    lines = status_text(status).splitlines()
+    assert lines[0].split()[:3] == ["HOST", "UNIT", "HEALTH"]
+    row = next(line for line in lines if line.startswith("node2"))
+    cells = [cell.strip() for cell in row.split("  ") if cell.strip()]
+    assert cells[:3] == [
+        "node2",
+        "failed/failed",
+        "crash loop: start limit hit after 5 restarts: unrecognized-argument",
+    ]
+    paragraph = lines[lines.index("CRASH LOOP node2: start limit hit after 5 restarts: "
+                                  "unrecognized-argument (last exit: exit status 2)"):]  # fmt: skip
+    assert paragraph[1:4] == [
+        "  vLLM rejected an engine argument: fix vllm_fleet_engine_args in the model profile.",
+        "    api_server.py: error: unrecognized arguments: --no-such-flag 1",
+        "  systemd no longer restarts it: fix the cause, then deploy again.",
+    ]
+    # The serving node gets no paragraph.
+    assert not any(line.startswith("CRASH LOOP node1") for line in lines)
+
+
+def test_a_restarting_unit_without_a_known_diagnosis() -> None:
+    model = FleetModel()
+    node = {
+        "unit": "activating/auto-restart",
+        "health": "crash loop: restarting, 1 restart so far: no known diagnosis",
+        "crash_loop": {
+            "state": "restarting",
+            "result": "success",
+            "restarts": 1,
+            "last_exit": "exit status 0",
+            "diagnosis": "",
+            "advice": "No known failure matched: read journalctl -u vllm-tiny-kimi.service -o cat "
+            "on the node for the cause.",
+            "lines": [],
+        },
+    }
+    feed(model, [ev.ok("node1", "Report the node status", {"vllm_fleet_node": node})])
+    lines = status_text(status_object(model, exit_code=0)).splitlines()
+    start = lines.index(
+        "CRASH LOOP node1: restarting, 1 restart so far: no known diagnosis "
+        "(last exit: exit status 0)"
+    )
+    # systemd still restarts it: no "no longer restarts" line, the advice is the way on.
+    assert lines[start + 1 :] == [
+        "  No known failure matched: read journalctl -u vllm-tiny-kimi.service -o cat on the node "
+        "for the cause."
+    ]
+
+
+def test_deploy_summary_names_a_node_in_a_crash_loop() -> None:
+    """After a deploy, the status probe's crash loop reaches the summary and its JSON."""
+    model = FleetModel()
+    feed(model, deploy_events())
+    model.hosts["node2"].node.update(CRASH_LOOP_NODE)
+    summary = summary_object(model, HEADER, 1, "failed", 2)
+    assert summary["hosts"]["node2"]["crash_loop"]["diagnosis"] == "unrecognized-argument"
+    assert summary["hosts"]["node2"]["crash_loop"]["restarts"] == 5
+    assert summary["hosts"]["node1"]["crash_loop"] is None
+    json.dumps(summary)
+    text = summary_text(summary, with_node=True)
+    row = next(line for line in text.splitlines() if line.startswith("node2"))
+    assert "crash loop: start limit hit after 5 restarts: unrecognized-argument" in row
+    assert (
+        "\nCRASH LOOP node2: start limit hit after 5 restarts: unrecognized-argument "
+        "(last exit: exit status 2)\n"
+        "  vLLM rejected an engine argument: fix vllm_fleet_engine_args in the model profile.\n"
+        "    api_server.py: error: unrecognized arguments: --no-such-flag 1\n"
+    ) in text
+    # Then the failure of the deploy itself, as before.
+    assert text.index("CRASH LOOP node2") < text.index("FAILED node2: Fail with the diagnosis")
 
 
 def test_ansible_error_output_is_kept_for_the_summary() -> None:
@@ -632,3 +794,13 @@ def test_router_status_table_lists_each_worker_as_the_router_sees_it() -> None:
     assert "http://127.0.0.1:8002 unhealthy" in summary_text(summary, with_node=True)
     # Without a router the summary has no routers table.
     assert "ROUTER" not in status_text(status_object(FleetModel(), exit_code=0))
+
+
+def test_a_warning_event_without_its_text_in_event_data_shows_its_stdout() -> None:
+    """ansible-runner's warning events can carry a flag in event_data["warning"] (the
+    CLI printed `cannot display an event (TypeError ...)` for each before)."""
+    model = FleetModel()
+    event = {"event": "warning", "event_data": {"warning": True}, "stdout": "[WARNING]: x y"}
+    assert model.handle(event) == [{"type": "warning", "text": "[WARNING]: x y"}]
+    named = {"event": "warning", "event_data": {"warning": "named"}, "stdout": "other"}
+    assert model.handle(named) == [{"type": "warning", "text": "named"}]

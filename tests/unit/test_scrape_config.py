@@ -100,7 +100,7 @@ def test_targets_come_from_the_inventory_groups(tmp_path: Path, promtool: str) -
         capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert checked.returncode == 0, checked.stdout + checked.stderr
-    assert "SUCCESS: 7 rules found" in checked.stdout
+    assert "SUCCESS: 8 rules found" in checked.stdout
 
 
 def test_a_limited_run_renders_the_same_file(tmp_path: Path) -> None:

@@ -429,8 +429,9 @@ def test_the_server_binds_the_fleet_address_and_asks_the_key_everywhere(
         # vLLM 0.18.0 and later drain on SIGTERM: one number for the drain and the stop.
         ("0.34.0", 120, "--shutdown-timeout 120", "150"),
         ("0.18.0", 45, "--shutdown-timeout 45", "75"),
-        # Older ones have no such option (it would fail the start): no argument.
-        ("0.17.1", 120, None, "150"),
+        # Older ones have no such option (it would fail the start): no argument,
+        # no drain to wait for.
+        ("0.17.1", 120, None, "30"),
         # 0: a stop aborts the requests, as vLLM's default does.
         ("0.34.0", 0, None, "30"),
     ],
@@ -440,18 +441,35 @@ def test_a_stop_drains_the_requests_in_flight_where_vllm_can(
 ) -> None:
     """Issue 35: --shutdown-timeout is the fleet's vllm_fleet_drain_s, TimeoutStopSec that
     plus the margin, and a stop sends SIGTERM to vLLM's API server alone and waits for it
-    (ExecStop) before systemd signals what is left of the unit (KillMode's default)."""
+    (ExecStop) before systemd signals what is left of the unit (KillMode's default).
+    Without a drain, systemd's own stop (SIGTERM to all) within the margin."""
     unit = render(
         loader, "vllm.service.j2", vllm_fleet_venv=str(venv),
         vllm_fleet_vllm_version=version, vllm_fleet_drain_s=drain,
     )  # fmt: skip
     (argv,) = directive(unit, "ExecStart")
-    if argument:
-        assert f" {argument}" in argv
-    else:
-        assert "--shutdown-timeout" not in argv
     assert directive(unit, "TimeoutStopSec") == [stop]
     assert directive(unit, "KillMode") == []
+    if not argument:
+        assert "--shutdown-timeout" not in argv and directive(unit, "ExecStop") == []
+        return
+    assert f" {argument}" in argv
     (stop_command,) = directive(unit, "ExecStop")
     assert stop_command.startswith('/bin/sh -c \'kill -TERM "$$MAINPID"')
     assert 'while kill -0 "$$MAINPID"' in stop_command
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_replica_node_does_not_drain_on_sigterm(
+    loader: DataLoader, venv: Path, rank: int
+) -> None:
+    """A multi-node engine cannot finish its requests once one of its nodes stops, and a
+    node whose peer is gone waited out the whole TimeoutStopSec in its collectives (the
+    CI's replica tests: 150 s a stop). The rolling path drains the leader from the
+    routers first; the unit stops within the margin."""
+    unit = render(
+        loader, "vllm.service.j2", vllm_fleet_plan={"replica": replica(rank)},
+        vllm_fleet_venv=str(venv), vllm_fleet_vllm_version="0.34.0", vllm_fleet_drain_s=120,
+    )  # fmt: skip
+    assert "--shutdown-timeout" not in directive(unit, "ExecStart")[0]
+    assert directive(unit, "ExecStop") == [] and directive(unit, "TimeoutStopSec") == ["30"]

@@ -85,3 +85,56 @@ class RequireKey:
             ]
             await send({"type": "http.response.start", "status": 401, "headers": headers})
             await send({"type": "http.response.body", "body": body})
+
+
+# The watchdog's restarts on vLLM's own /metrics (no port of its own): its
+# companion unit writes their count and time to a world-readable JSON file
+# (VLLM_FLEET_WATCHDOG_STATE), read at each scrape. Always exported, 0 before
+# the first restart, so that the fleet's alert sees a series from the start.
+WATCHDOG_ENV = "VLLM_FLEET_WATCHDOG_STATE"
+
+
+class WatchdogCollector:
+    """Prometheus collector of the watchdog's state file."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def state(self) -> dict[str, Any]:
+        try:
+            with open(self.path, encoding="utf-8") as handle:
+                state = json.load(handle)
+        except (OSError, ValueError):
+            return {}
+        return state if isinstance(state, dict) else {}
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        state = self.state()
+        yield CounterMetricFamily(
+            "vllm_fleet_watchdog_restarts",
+            "Restarts of this node's vLLM by the vllm-fleet watchdog (no progress proved).",
+            value=float(state.get("restarts", 0) or 0),
+        )
+        yield GaugeMetricFamily(
+            "vllm_fleet_watchdog_last_restart_timestamp_seconds",
+            "Unix time of the watchdog's last restart of this node's vLLM (0: none).",
+            value=float(state.get("last_restart", 0) or 0),
+        )
+
+
+def register_watchdog_metrics(path: str | None = os.environ.get(WATCHDOG_ENV)) -> bool:
+    """Add the collector to prometheus_client's default registry, which vLLM's
+    /metrics serves (one API server process; vLLM's multiprocess mode has its own)."""
+    if not path:
+        return False
+    try:
+        from prometheus_client import REGISTRY
+    except ImportError:
+        return False
+    REGISTRY.register(WatchdogCollector(path))
+    return True
+
+
+register_watchdog_metrics()
