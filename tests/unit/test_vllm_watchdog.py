@@ -218,7 +218,7 @@ def test_metrics_that_do_not_answer_are_a_miss(
     args: argparse.Namespace, unit: dict[str, Any]
 ) -> None:
     args.url = "http://127.0.0.1:9"  # nothing listens
-    watch = watchdog.check(watchdog.Watch(pid=1), args, 1)
+    watch = watchdog.check(watchdog.Watch(pid=1), args)
     assert watch.startswith("/metrics did not answer in 2 s")
 
 

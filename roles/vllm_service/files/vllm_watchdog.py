@@ -43,7 +43,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 # Counters that move whenever the engine produces anything: prompt tokens
@@ -72,7 +72,6 @@ class Watch:
     last: Sample | None = None
     misses: int = 0
     model: str = ""
-    reasons: list[str] = field(default_factory=list)
 
 
 def parse_metrics(text: str) -> Sample:
@@ -106,15 +105,19 @@ def api_key(env_file: str) -> str:
     return ""
 
 
-def _request(url: str, timeout: float, key: str = "", body: dict | None = None) -> Any:
+def _text(url: str, timeout: float, key: str = "", body: dict | None = None) -> str:
+    """The body of a GET (or, with ``body``, a JSON POST) to the node's own server."""
     headers = {"Content-Type": "application/json"}
     if key:
         headers["Authorization"] = f"Bearer {key}"
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(url, data=data, headers=headers)
     with urllib.request.urlopen(req, timeout=timeout) as resp:
-        raw = resp.read().decode()
-        return json.loads(raw) if body is not None or url.endswith("/models") else raw
+        return resp.read().decode()
+
+
+def _json(url: str, timeout: float, key: str, body: dict | None = None) -> Any:
+    return json.loads(_text(url, timeout, key, body))
 
 
 def canary(url: str, key: str, model: str, timeout: float) -> str:
@@ -122,7 +125,7 @@ def canary(url: str, key: str, model: str, timeout: float) -> str:
     body = {"model": model, "prompt": "ping", "max_tokens": 1, "temperature": 0}
     started = time.monotonic()
     try:
-        answer = _request(f"{url}/v1/completions", timeout, key, body)
+        answer = _json(f"{url}/v1/completions", timeout, key, body)
     except (OSError, urllib.error.URLError, ValueError) as err:
         return f"the one-token canary did not complete in {timeout:g} s ({_short(err)})"
     if not answer.get("choices"):
@@ -135,10 +138,10 @@ def _short(err: BaseException) -> str:
     return text[:120]
 
 
-def check(watch: Watch, args: argparse.Namespace, interval: float) -> str:
+def check(watch: Watch, args: argparse.Namespace) -> str:
     """One check: '' when the engine proved progress, else the reason of the miss."""
     try:
-        sample = parse_metrics(_request(f"{args.url}/metrics", args.metrics_timeout))
+        sample = parse_metrics(_text(f"{args.url}/metrics", args.metrics_timeout))
     except (OSError, urllib.error.URLError, ValueError) as err:
         return f"/metrics did not answer in {args.metrics_timeout:g} s ({_short(err)})"
     last, watch.last = watch.last, sample
@@ -147,7 +150,7 @@ def check(watch: Watch, args: argparse.Namespace, interval: float) -> str:
         return ""
     if sample.running or sample.waiting:
         return (f"{sample.running:g} requests running and {sample.waiting:g} waiting, "
-                f"no token produced in {interval:g} s")  # fmt: skip
+                f"no token produced in {args.interval:g} s")  # fmt: skip
     if not watch.model:
         watch.model = served_model(args)
     if not watch.model:
@@ -158,7 +161,7 @@ def check(watch: Watch, args: argparse.Namespace, interval: float) -> str:
 def served_model(args: argparse.Namespace) -> str:
     """The model the server serves (the canary asks for it by name), or ''."""
     try:
-        models = _request(f"{args.url}/v1/models", args.metrics_timeout, api_key(args.env_file))
+        models = _json(f"{args.url}/v1/models", args.metrics_timeout, api_key(args.env_file))
         return str(models["data"][0]["id"])
     except (OSError, urllib.error.URLError, ValueError, KeyError, IndexError, TypeError):
         return ""
@@ -179,7 +182,7 @@ def unit_pid(unit: str) -> int:
 
 def healthy(url: str, timeout: float) -> bool:
     try:
-        _request(f"{url}/health", timeout)
+        _text(f"{url}/health", timeout)
     except (OSError, urllib.error.URLError, ValueError):
         return False
     return True
@@ -234,13 +237,12 @@ def step(watch: Watch, args: argparse.Namespace) -> Watch:
         log(args.unit, f"watching {args.unit} (pid {pid}): proof of progress every "
                        f"{args.interval:g} s, restart after {args.misses} misses")  # fmt: skip
         return Watch(pid=pid)
-    reason = check(watch, args, args.interval)
+    reason = check(watch, args)
     if not reason:
         if watch.misses:
             log(args.unit, f"{args.unit} made progress again after {watch.misses} misses")
         return Watch(pid=pid, last=watch.last, model=watch.model)
     watch.misses += 1
-    watch.reasons.append(reason)
     log(args.unit, f"miss {watch.misses}/{args.misses}: {reason}", priority=4)
     if watch.misses < args.misses:
         return watch

@@ -72,8 +72,8 @@ options:
     default: []
   stall_s:
     description:
-      - Seconds without a new journal line of the active, still loading unit after which
-        the wait reports C(stalled) (the fleet's C(vllm_fleet_load_stall_s)).
+      - Seconds without a new journal line or CPU work of the active, still loading unit
+        after which the wait reports C(stalled) (the fleet's C(vllm_fleet_load_stall_s)).
       - 0 turns the check off; the total O(timeout_s) still applies.
     type: int
     default: 0
@@ -384,9 +384,8 @@ def quiet_seconds(unit: str, since: int, now: float, control_group: str = "") ->
 def stall_reason(quiet: int, stall_s: int, phase: str, line: str) -> str:
     where = f"{phase} ({shorten(line)})" if line else f"{phase} (no milestone since the start)"
     return (
-        f"the load made no progress (no journal line, no CPU work) for {quiet} s (stall budget "
-        f"vllm_fleet_load_stall_s="
-        f"{stall_s}); last phase: {where}"
+        f"the load made no progress (no journal line, no CPU work) for {quiet} s "
+        f"(stall budget vllm_fleet_load_stall_s={stall_s}); last phase: {where}"
     )
 
 
