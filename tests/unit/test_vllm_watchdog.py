@@ -45,6 +45,8 @@ class FakeVllm:
         self.canary_delay_s = 0.0
         self.healthy = True
         self.completions: list[dict[str, Any]] = []
+        self.redirect_to = ""  # answer /v1/models with a 307 there
+        self.headers_seen: list[dict[str, str]] = []
 
     def metrics(self) -> str:
         return "\n".join([
@@ -58,9 +60,8 @@ class FakeVllm:
         ]) + "\n"  # fmt: skip
 
 
-@pytest.fixture
-def server() -> Iterator[tuple[FakeVllm, str]]:
-    fake = FakeVllm()
+def start(fake: FakeVllm) -> tuple[ThreadingHTTPServer, str]:
+    """Serve ``fake`` on a free loopback port: the server and its URL."""
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args: Any) -> None:
@@ -74,7 +75,13 @@ def server() -> Iterator[tuple[FakeVllm, str]]:
             self.wfile.write(data)
 
         def do_GET(self) -> None:
-            if self.path == "/health":
+            fake.headers_seen.append(dict(self.headers))
+            if fake.redirect_to and self.path == "/v1/models":
+                self.send_response(307)
+                self.send_header("Location", fake.redirect_to + self.path)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+            elif self.path == "/health":
                 self.answer(200 if fake.healthy else 503, "")
             elif self.path == "/metrics":
                 self.answer(200, fake.metrics())
@@ -90,7 +97,14 @@ def server() -> Iterator[tuple[FakeVllm, str]]:
 
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield fake, f"http://127.0.0.1:{httpd.server_address[1]}"
+    return httpd, f"http://127.0.0.1:{httpd.server_address[1]}"
+
+
+@pytest.fixture
+def server() -> Iterator[tuple[FakeVllm, str]]:
+    fake = FakeVllm()
+    httpd, url = start(fake)
+    yield fake, url
     httpd.shutdown()
 
 
@@ -234,3 +248,21 @@ def test_the_key_guard_exports_the_watchdogs_restarts(tmp_path: Path) -> None:
     assert samples["vllm_fleet_watchdog_restarts_total"] == 2.0
     assert samples["vllm_fleet_watchdog_last_restart_timestamp_seconds"] == 1700000000.5
     assert auth.register_watchdog_metrics(None) is False
+
+
+def test_the_key_never_follows_a_redirect(
+    server: tuple[FakeVllm, str], args: argparse.Namespace, unit: dict[str, Any]
+) -> None:
+    """Whatever answers on the node's port and redirects the keyed request elsewhere
+    gets no second request: the canary finds no model, the key stays on the node."""
+    fake, _ = server
+    stranger = FakeVllm()
+    httpd, elsewhere = start(stranger)
+    try:
+        fake.redirect_to = elsewhere
+        assert watchdog.served_model(args) == ""
+        assert stranger.headers_seen == []  # never asked, so never saw the key
+        fake.redirect_to = ""
+        assert watchdog.served_model(args) == "served-m"
+    finally:
+        httpd.shutdown()

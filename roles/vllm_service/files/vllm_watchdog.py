@@ -105,6 +105,20 @@ def api_key(env_file: str) -> str:
     return ""
 
 
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """The key goes to the node's own server only: a redirect (to whatever now holds
+    its port) is an error, never followed with the Authorization header."""
+
+    def redirect_request(self, req: Any, fp: Any, code: int, msg: str, headers: Any,
+                         newurl: str) -> None:  # fmt: skip
+        raise urllib.error.HTTPError(
+            req.full_url, code, f"redirect to {newurl} refused", headers, fp
+        )
+
+
+_OPENER = urllib.request.build_opener(_NoRedirect)
+
+
 def _text(url: str, timeout: float, key: str = "", body: dict | None = None) -> str:
     """The body of a GET (or, with ``body``, a JSON POST) to the node's own server."""
     headers = {"Content-Type": "application/json"}
@@ -112,7 +126,7 @@ def _text(url: str, timeout: float, key: str = "", body: dict | None = None) -> 
         headers["Authorization"] = f"Bearer {key}"
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(url, data=data, headers=headers)
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
+    with _OPENER.open(req, timeout=timeout) as resp:
         return resp.read().decode()
 
 
